@@ -1,0 +1,91 @@
+"""Small models and data shared by the tests (digits: ships inside scikit-learn)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import chorus_tune as ct
+
+
+def digits(n_train: int = 1024, n_val: int = 256, images: bool = False):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    if images:
+        x = x.reshape(-1, 1, 8, 8)
+    y = torch.tensor(d.target, dtype=torch.long)
+    return (x[:n_train], y[:n_train]), (x[n_train:n_train + n_val], y[n_train:n_train + n_val])
+
+
+def mlp(config: dict) -> nn.Module:
+    width = config.get("width", 32)
+    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+class SmallCNN(nn.Module):
+    def __init__(self, channels: int = 4):
+        super().__init__()
+        # No conv bias before BatchNorm (standard practice): its true gradient is zero,
+        # so what it gets is rounding noise, which Adam would blow up to full steps.
+        self.conv = nn.Conv2d(1, channels, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(channels)
+        self.head = nn.Linear(channels * 4 * 4, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.bn(self.conv(x)))
+        x = nn.functional.max_pool2d(x, 2)
+        return self.head(x.flatten(1))
+
+
+def cnn(config: dict) -> nn.Module:
+    return SmallCNN(config.get("channels", 4))
+
+
+class MaybeResidual(nn.Module):
+    """Same parameters whatever the config; the forward reads a per-instance flag."""
+
+    def __init__(self, use_residual: bool):
+        super().__init__()
+        self.use_residual = use_residual
+        self.inner = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inner(x))
+        if self.use_residual:
+            h = h + x
+        return self.head(h)
+
+
+class PairDataset(Dataset):
+    """A plain (non-tensor) Dataset that counts how often each sample is decoded."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+        self.fetches = 0
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        self.fetches += 1
+        return self.x[i], self.y[i]
+
+
+def mlp_task(**kwargs) -> ct.Task:
+    kwargs.setdefault("batch_size", 64)
+    return ct.Task(mlp, digits(), **kwargs)
+
+
+def params_close(a: nn.Module, b: nn.Module, rtol: float) -> float:
+    """Largest parameter/buffer difference relative to the tensor's scale; asserts the names match."""
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    worst = 0.0
+    for name in sa:
+        x, y = sa[name].double(), sb[name].double()
+        worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item())
+    assert worst <= rtol, f"parameters differ by {worst:.3g} relative (bound {rtol})"
+    return worst
