@@ -159,9 +159,10 @@ class CohortBracket:
         on a STOP at once); those members get the same decision back when
         their own result arrives.
         """
-        if trial_id in self._pending:
-            _, action = self._pending.pop(trial_id)
-            return {trial_id: action}
+        pending = self._pending.get(trial_id)
+        if pending is not None and t >= self._rungs[pending[0]][0]:
+            del self._pending[trial_id]
+            return {trial_id: pending[1]}
         idx = self._target(trial_id, t)
         if idx is None:
             return {trial_id: CONTINUE}
