@@ -79,6 +79,14 @@ def mlp_task(**kwargs) -> ct.Task:
     return ct.Task(mlp, digits(), **kwargs)
 
 
+def regression_task(**kwargs) -> ct.Task:
+    """Digits labels as real-valued targets, squared error."""
+    (x, y), (xv, yv) = digits()
+    kwargs.setdefault("batch_size", 32)
+    return ct.Task(lambda c: nn.Sequential(nn.Linear(64, 32), nn.Tanh(), nn.Linear(32, 1)),
+                   ((x, y.float()), (xv, yv.float())), loss="mse", **kwargs)
+
+
 def params_close(a: nn.Module, b: nn.Module, rtol: float) -> float:
     """Largest parameter/buffer difference relative to the tensor's scale; asserts the names match."""
     sa, sb = a.state_dict(), b.state_dict()

@@ -8,7 +8,7 @@ import pytest
 import chorus_tune as ct
 from chorus_tune import reference
 
-from models import cnn, digits, mlp, params_close
+from models import cnn, digits, mlp, params_close, regression_task
 
 MLP_RTOL = 1e-5  # DESIGN.md: float32, 100 steps, MLP
 # Convolutions and BatchNorm sum in a different order batched than unbatched
@@ -83,9 +83,7 @@ def test_learning_rate_schedules_follow_reference():
 
 
 def test_mse_regression_members_follow_reference():
-    (x, y), (xv, yv) = digits()
-    task = ct.Task(lambda c: mlp(c)[:-1].append(__import__("torch").nn.Linear(c.get("width", 32), 1)),
-                   ((x, y.float()), (xv, yv.float())), loss="mse", batch_size=32, iteration_steps=10)
+    task = regression_task(iteration_steps=10)
     configs = [dict(lr=0.01, seed=0), dict(lr=0.02, seed=1)]
     bucket, fused = run_and_compare(task, configs, iterations=2, rtol=MLP_RTOL)
     assert "val_accuracy" not in fused[-1][0]
