@@ -1,0 +1,31 @@
+"""The Ray Tune layer of chorus_tune (the only package that imports ray).
+
+``ChorusTrainable`` (trials as members of fused buckets), ``load_model`` (a
+checkpoint back to the user's module), ``retire_trial`` (free a trial's slot
+now, for schedulers), and, from their own modules, ``ChorusSearch`` and
+``ChorusASHA``.
+"""
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+_EXPORTS = {
+    "ChorusTrainable": ".trainable",
+    "BucketLost": ".trainable",
+    "load_model": ".checkpoint",
+    "retire_trial": ".pool",
+    "bucket_stats": ".pool",
+    "free_slots": ".pool",
+    "ChorusSearch": ".search",
+    "ChorusASHA": ".schedulers",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so that importing one submodule does not import every other one.
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name], __name__), name)

@@ -1,0 +1,148 @@
+"""Which bucket a trial goes to (Ray-free; the pool actor is an adapter over it).
+
+Rules (issue 3, DESIGN D2/D9):
+- a trial goes to a bucket of its structural key with a free slot, oldest
+  bucket first, so a bucket is filled to capacity before another of the same
+  key is opened;
+- a new bucket is opened only within the budget (how many buckets the
+  cluster's resources hold at once); otherwise the trial waits, first come
+  first served, and is placed as soon as a slot of its key frees or a bucket
+  closes;
+- an empty bucket is closed at once when a waiting trial needs its budget,
+  else left open for a while for a trial of its own key (the pool closes it
+  after an idle grace period).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Hashable
+
+
+@dataclass
+class BucketRecord:
+    """One bucket as the pool sees it."""
+
+    name: str
+    key: Hashable
+    capacity: int
+    members: list[str] = field(default_factory=list)
+    ever: list[str] = field(default_factory=list)  # every trial it ever held, in order
+
+    @property
+    def free(self) -> int:
+        return self.capacity - len(self.members)
+
+
+@dataclass(frozen=True)
+class Placed:
+    trial_id: str
+    bucket: str
+    opened: bool  # the bucket is new: the pool must create its actor
+
+
+@dataclass
+class Update:
+    """What a change of membership set in motion."""
+
+    placed: list[Placed] = field(default_factory=list)  # waiting trials now placed
+    closed: list[str] = field(default_factory=list)  # empty buckets to close now
+    idle: list[str] = field(default_factory=list)  # empty buckets that may close later
+
+
+class Placement:
+    """Slot assignment across a pool's buckets."""
+
+    def __init__(self, max_buckets: int | None = None, prefix: str = "chorus-bucket"):
+        if max_buckets is not None and max_buckets < 1:
+            raise ValueError(f"max_buckets must be positive or None; got {max_buckets}")
+        self.max_buckets = max_buckets
+        self.prefix = prefix
+        self.buckets: OrderedDict[str, BucketRecord] = OrderedDict()
+        self._where: dict[str, str] = {}
+        self._waiting: OrderedDict[str, tuple[Hashable, int]] = OrderedDict()
+        self._opened = 0
+
+    # ----- queries ----------------------------------------------------------------------------------
+    def bucket_of(self, trial_id: str) -> str | None:
+        return self._where.get(trial_id)
+
+    def is_waiting(self, trial_id: str) -> bool:
+        return trial_id in self._waiting
+
+    def free_slots(self, key: Hashable) -> int:
+        """Free slots in the open buckets of ``key`` (a new bucket may add more)."""
+        return sum(b.free for b in self.buckets.values() if b.key == key)
+
+    def can_open(self) -> bool:
+        return self.max_buckets is None or len(self.buckets) < self.max_buckets
+
+    # ----- changes ----------------------------------------------------------------------------------
+    def request(self, trial_id: str, key: Hashable, capacity: int) -> Placed | None:
+        """Place ``trial_id``, or queue it (``None``). Idempotent for a placed trial."""
+        if trial_id in self._where:
+            return Placed(trial_id, self._where[trial_id], False)
+        if trial_id in self._waiting:
+            return None
+        placed = self._try_place(trial_id, key, capacity)
+        if placed is None:
+            self._waiting[trial_id] = (key, capacity)
+        return placed
+
+    def remove(self, trial_id: str) -> Update:
+        """``trial_id`` leaves (or stops waiting). Idempotent; safe for unknown trials."""
+        self._waiting.pop(trial_id, None)
+        name = self._where.pop(trial_id, None)
+        if name is None:
+            return Update()
+        record = self.buckets[name]
+        record.members.remove(trial_id)
+        return self._settle()
+
+    def close(self, name: str) -> tuple[list[str], Update]:
+        """Close bucket ``name`` (empty, or dead): returns the trials it held and
+        what the freed budget set in motion. Idempotent."""
+        record = self.buckets.pop(name, None)
+        if record is None:
+            return [], Update()
+        for t in record.members:
+            self._where.pop(t, None)
+        update = self._settle()
+        return list(record.members), update
+
+    # ----- internals --------------------------------------------------------------------------------
+    def _try_place(self, trial_id: str, key: Hashable, capacity: int) -> Placed | None:
+        for record in self.buckets.values():
+            if record.key == key and record.free > 0:
+                return self._put(trial_id, record, opened=False)
+        if not self.can_open():
+            return None
+        self._opened += 1
+        record = BucketRecord(f"{self.prefix}-{self._opened}", key, capacity)
+        self.buckets[record.name] = record
+        return self._put(trial_id, record, opened=True)
+
+    def _put(self, trial_id: str, record: BucketRecord, opened: bool) -> Placed:
+        record.members.append(trial_id)
+        record.ever.append(trial_id)
+        self._where[trial_id] = record.name
+        return Placed(trial_id, record.name, opened)
+
+    def _settle(self) -> Update:
+        update = Update()
+        # First come, first served: a trial that cannot be placed yet does not
+        # stop later ones of another key from taking free slots.
+        for trial_id, (key, capacity) in list(self._waiting.items()):
+            placed = self._try_place(trial_id, key, capacity)
+            if placed is None:
+                # No slot and no budget: an empty bucket of another key gives its budget up.
+                empty = [r for r in self.buckets.values() if not r.members and r.key != key]
+                if empty:
+                    self.buckets.pop(empty[0].name)
+                    update.closed.append(empty[0].name)
+                    placed = self._try_place(trial_id, key, capacity)
+            if placed is not None:
+                del self._waiting[trial_id]
+                update.placed.append(placed)
+        update.idle = [r.name for r in self.buckets.values() if not r.members]
+        return update

@@ -1,0 +1,62 @@
+"""How buckets and trials share a cluster's resources (Ray-free arithmetic).
+
+A bucket does the work, a trial only talks to it, so:
+
+- ``resources_per_bucket`` says what one bucket uses. Default: one whole GPU
+  (and one CPU for its thread) where the cluster has GPUs, otherwise one CPU:
+  one bucket per core, so a CPU-only machine runs as many buckets side by side
+  as it has cores (a vmap'd step of small models does not use two cores well).
+- GPUs and custom resources are *claimed* from Ray by the bucket actor. CPUs
+  are not: they become the bucket's torch threads, and the pool never opens
+  more buckets than the CPUs hold. Claiming them would deadlock: running
+  trials hold fractions of CPUs, so a bucket asking for a whole one might
+  never be scheduled while those trials wait for it.
+- A trial asks Tune for a token CPU (Tune rejects an all-zero request), sized
+  so that Tune runs about as many trials at once as the buckets have slots:
+  ``CPUs / (bucket_size * buckets)``. Trials beyond that stay PENDING in Tune
+  (cheap) rather than as idle actors waiting for a slot.
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+# Ray accounts resources in units of 1e-4.
+_GRANULE = 1e-4
+FALLBACK_TOKEN_CPU = 0.01
+
+
+def default_bucket_resources(cluster: Mapping[str, float]) -> dict[str, float]:
+    if cluster.get("GPU", 0) >= 1:
+        return {"GPU": 1.0, "CPU": 1.0}
+    return {"CPU": 1.0}
+
+
+def bucket_budget(cluster: Mapping[str, float], per_bucket: Mapping[str, float]) -> int:
+    """How many buckets the cluster holds at once (at least one)."""
+    fits = [math.floor(cluster.get(name, 0) / amount + 1e-9)
+            for name, amount in per_bucket.items() if amount > 0]
+    return max(1, min(fits)) if fits else 1
+
+
+def bucket_threads(per_bucket: Mapping[str, float]) -> int:
+    return max(1, int(per_bucket.get("CPU", 1)))
+
+
+def bucket_actor_options(per_bucket: Mapping[str, float]) -> dict:
+    """``.options(...)`` for a bucket actor: claim GPUs and custom resources, not CPUs."""
+    custom = {k: float(v) for k, v in per_bucket.items() if k not in ("CPU", "GPU") and v > 0}
+    options: dict = {"num_cpus": 0, "num_gpus": float(per_bucket.get("GPU", 0))}
+    if custom:
+        options["resources"] = custom
+    return options
+
+
+def trial_token_cpu(cluster: Mapping[str, float], per_bucket: Mapping[str, float], bucket_size: int) -> float:
+    """The CPU a trial asks Tune for: the cluster's CPUs shared out over every slot."""
+    cpus = cluster.get("CPU", 0)
+    if cpus <= 0:
+        return FALLBACK_TOKEN_CPU
+    slots = bucket_size * bucket_budget(cluster, per_bucket)
+    token = math.floor(cpus / slots / _GRANULE) * _GRANULE
+    return round(min(1.0, max(_GRANULE, token)), 4)

@@ -1,0 +1,229 @@
+"""ChorusTrainable: a Tune trial that is one member of a fused bucket (DESIGN D1, D3).
+
+The trainable is a thin client. It holds no model, data or tensors: the task
+travels as bytes it never unpickles, member states as bytes it only passes on.
+``setup`` reserves a slot in a bucket of the trial's structure (through the
+pool); the first ``step`` joins it (fresh, or from the state a
+``load_checkpoint`` handed over); every ``step`` waits for the bucket's
+lockstep iteration and returns this member's metrics.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+import ray.cloudpickle as cloudpickle
+from ray.exceptions import RayActorError
+from ray.tune import Trainable
+from ray.tune.execution.placement_groups import PlacementGroupFactory
+
+from .options import BucketOptions, Join, member_seed
+from .pool import NEED_TASK, get_pool, task_id
+from .resources import FALLBACK_TOKEN_CPU, default_bucket_resources, trial_token_cpu
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT = 1
+_LEAVE_TIMEOUT_S = 30.0
+
+
+class BucketLost(RuntimeError):
+    """The bucket holding this trial's member died; the member's progress since
+    its last checkpoint is lost."""
+
+
+class ChorusTrainable(Trainable):
+    """A Tune trainable whose trials train fused, K to a bucket.
+
+    Make one with :meth:`for_task` (preferred: the task then travels to the
+    buckets as bytes that trial actors never unpickle), or subclass with a
+    ``task`` class attribute. Class attributes (and ``for_task`` keywords):
+    ``bucket_size``, ``resources_per_bucket``, ``route``, ``gather_s``,
+    ``park_after_s``, ``lockstep_timeout_s``, ``reap_interval_s``,
+    ``idle_close_s``, ``max_buckets`` (see :class:`BucketOptions`).
+
+    Every result carries the member's metrics (``train_loss``, ``val_loss``,
+    ``val_accuracy``, ``iteration``) and ``chorus/bucket``, ``chorus/slot``,
+    ``chorus/route``, ``chorus/live``, ``chorus/seed`` and ``chorus/cohort``
+    (JSON: ``{trial_id: {"iteration": ..., metric: value}}`` for every member
+    of the bucket in that same iteration).
+    """
+
+    task: Any = None
+    bucket_size: int = 16
+    resources_per_bucket: dict | None = None
+    route: str = "auto"
+    gather_s: float = 0.5
+    park_after_s: float | None = 2.0
+    lockstep_timeout_s: float = 600.0
+    reap_interval_s: float = 0.5
+    idle_close_s: float = 5.0
+    max_buckets: int | None = None
+
+    _task_blob: bytes | None = None
+    _factory_blob: bytes | None = None
+    _task_id: str | None = None
+
+    # ----- making the class -----------------------------------------------------------------------
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        task = cls.__dict__.get("task")
+        if task is not None:
+            cls._task_blob = cloudpickle.dumps(task)
+            cls._factory_blob = cloudpickle.dumps(task.model)
+            cls._task_id = task_id(cls._task_blob)
+
+    @classmethod
+    def for_task(cls, task: Any, bucket_size: int = 16, name: str = "ChorusTrainable",
+                 **options: Any) -> type["ChorusTrainable"]:
+        """A ChorusTrainable class for ``task`` (a :class:`chorus_tune.Task`)."""
+        unknown = set(options) - set(BucketOptions.__dataclass_fields__) - {"resources_per_bucket"}
+        if unknown:
+            raise TypeError(f"unknown ChorusTrainable option(s): {sorted(unknown)}")
+        blob = cloudpickle.dumps(task)
+        attrs = {"bucket_size": bucket_size, "_task_blob": blob, "_factory_blob": cloudpickle.dumps(task.model),
+                 "_task_id": task_id(blob), "__module__": __name__, **options}
+        trainable = type(name, (cls,), attrs)
+        trainable.bucket_options()  # validate now, not in the first trial
+        return trainable
+
+    @classmethod
+    def bucket_options(cls) -> BucketOptions:
+        return BucketOptions(
+            bucket_size=cls.bucket_size, resources_per_bucket=BucketOptions.resources(cls.resources_per_bucket),
+            route=cls.route, gather_s=cls.gather_s, park_after_s=cls.park_after_s,
+            lockstep_timeout_s=cls.lockstep_timeout_s, reap_interval_s=cls.reap_interval_s,
+            idle_close_s=cls.idle_close_s, max_buckets=cls.max_buckets,
+        )
+
+    @classmethod
+    def default_resource_request(cls, config: dict) -> PlacementGroupFactory:
+        # A token CPU: Tune rejects an all-zero request, and the work is done
+        # by the buckets. Sized so Tune runs about as many trials as there are
+        # slots (see chorus_tune.tune.resources).
+        token = FALLBACK_TOKEN_CPU
+        if ray.is_initialized():
+            cluster = ray.cluster_resources()
+            per_bucket = cls.resources_per_bucket or default_bucket_resources(cluster)
+            if cls.max_buckets is not None:
+                slots = cls.bucket_size * cls.max_buckets
+                token = max(1e-4, round(cluster.get("CPU", 1) / slots - 5e-5, 4))
+            else:
+                token = trial_token_cpu(cluster, per_bucket, cls.bucket_size)
+        return PlacementGroupFactory([{"CPU": token}])
+
+    # ----- Trainable API --------------------------------------------------------------------------
+    def setup(self, config: dict) -> None:
+        if self._task_blob is None:
+            raise TypeError(f"{type(self).__name__} has no task: use ChorusTrainable.for_task(task) "
+                            "or set a `task` class attribute")
+        self._member: str | None = None
+        self._bucket = None
+        self._bucket_name: str | None = None
+        self._joined = False
+        self._pending_state: bytes | None = None
+        self._seed: int | None = None
+        self._setup_error: BaseException | None = None
+        self._reserve(config)
+
+    def step(self) -> dict:
+        if self._setup_error is not None:
+            raise self._setup_error
+        join = None
+        if not self._joined:
+            join = Join(config=self._clean(self.config), seed=self._seed, state=self._pending_state)
+        try:
+            result = ray.get(self._bucket.step.remote(self._member, join))
+        except RayActorError as exc:
+            self._lost_bucket(exc)
+        self._joined, self._pending_state = True, None
+        if result.get("chorus/retired"):
+            result["done"] = True
+        return result
+
+    def save_checkpoint(self, checkpoint_dir: str) -> dict:
+        state = self._pending_state
+        if self._joined:
+            try:
+                state = ray.get(self._bucket.save.remote(self._member))
+            except RayActorError as exc:
+                self._lost_bucket(exc)
+        return {
+            "chorus_format": CHECKPOINT_FORMAT,
+            "member": state,  # bytes (chorus_tune.tune.state_io), or None before the first iteration
+            "factory": self._factory_blob,  # what load_model needs to rebuild the user's module
+            "config": self._clean(self.config),
+            "seed": self._seed,
+            "bucket": self._bucket_name,
+        }
+
+    def load_checkpoint(self, checkpoint: dict) -> None:
+        if self._joined:
+            # Restoring a member that is training: leave and come back with the state.
+            self._leave()
+            self._reserve(self.config)
+        self._pending_state = checkpoint.get("member")
+
+    def reset_config(self, new_config: dict) -> bool:
+        # Actor reuse: this actor now serves another trial (Tune already switched trial_id).
+        self._leave()
+        self._joined, self._pending_state, self._setup_error = False, None, None
+        self._reserve(new_config)
+        return True
+
+    def cleanup(self) -> None:
+        self._leave()
+
+    # ----- helpers --------------------------------------------------------------------------------
+    @staticmethod
+    def _clean(config: dict) -> dict:
+        return {k: v for k, v in config.items() if not k.startswith("__")}
+
+    def _reserve(self, config: dict) -> None:
+        config = self._clean(config)
+        self._member = self.trial_id
+        self._seed = member_seed(config, self._member)
+        self._bucket, self._bucket_name = None, None
+        try:
+            client = ray.get_runtime_context().current_actor
+        except Exception:  # noqa: BLE001 - not in an actor (a local test): no liveness checks
+            client = None
+        pool = get_pool(create=True)
+        options = self.bucket_options()
+        try:
+            reply = ray.get(pool.reserve.remote(self._member, self._task_id, None, config, options, client))
+            if reply == NEED_TASK:
+                reply = ray.get(pool.reserve.remote(self._member, self._task_id, self._task_blob, config,
+                                                    options, client))
+        except Exception as exc:  # noqa: BLE001 - e.g. the model factory raised for this config
+            # Raised from step(), so that Tune reports it as this trial's error.
+            self._setup_error = exc
+            return
+        self._bucket_name, self._bucket = reply
+
+    def _leave(self) -> None:
+        member, self._member = self._member, None
+        self._joined = False
+        if member is None:
+            return
+        try:
+            pool = get_pool(create=False)
+            if pool is not None:
+                ray.get(pool.leave.remote(member), timeout=_LEAVE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - leaving must never fail a trial
+            logger.warning("trial %s: leaving its bucket failed: %s", member, exc)
+
+    def _lost_bucket(self, exc: BaseException) -> None:
+        name = self._bucket_name
+        try:
+            pool = get_pool(create=False)
+            if pool is not None:
+                ray.get(pool.bucket_failed.remote(name), timeout=_LEAVE_TIMEOUT_S)
+        except Exception:  # noqa: BLE001
+            pass
+        self._member, self._joined = None, False
+        raise BucketLost(
+            f"bucket {name} holding trial {self.trial_id}'s member died ({type(exc).__name__}); the member's "
+            "progress since its last checkpoint is lost. With FailureConfig(max_failures>=1) Tune restarts "
+            "the trial from its last checkpoint in a new bucket.") from exc
