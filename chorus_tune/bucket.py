@@ -191,7 +191,7 @@ class Bucket:
         if not live or len(live) == self.capacity:
             return {k: k for k in live}
         self.stack.select(live)
-        self.optimizer.select(torch.tensor(live, device=self.device), self.stack.params)
+        self.optimizer.select(live, self.stack.params)
         self.members = [self.members[k] for k in live]
         self.capacity = len(live)
         return {old: new for new, old in enumerate(live)}
@@ -267,7 +267,7 @@ class Bucket:
         # Sum, not mean, over members: each member's gradient keeps the scale of
         # its unfused run (a mean would divide every learning rate by K).
         torch.where(active, member_losses, torch.zeros_like(member_losses)).sum().backward()
-        self.optimizer.step(lr, active)
+        self.optimizer.step(lr, active, live)
         return member_losses
 
     def _snapshot_buffers(self, slots: list[int]) -> dict[str, torch.Tensor] | None:
@@ -348,7 +348,7 @@ class Bucket:
         losses_ = self._train_step(x, y, True, lr, active, live, route).detach()
         return [t.detach().clone() for t in self.stack.state_tensors()], losses_
 
-    def _probe_agrees(self, live: list[int], snapshot: list[torch.Tensor]) -> tuple[bool, str]:
+    def _probe_agrees(self, live: list[int], snapshot: tuple) -> tuple[bool, str]:
         eager_state, eager_losses = self._probe_step("eager", live)
         self._restore_state(snapshot)
         try:
@@ -368,7 +368,7 @@ class Bucket:
                 return False, "vmap disagreed with the per-member loop on the probe batch"
         return True, "agrees"
 
-    def _time_route(self, route: str, live: list[int], snapshot: list[torch.Tensor]) -> float:
+    def _time_route(self, route: str, live: list[int], snapshot: tuple) -> float:
         best = float("inf")
         for _ in range(_TIMING_REPEATS):
             self._sync()
@@ -383,12 +383,14 @@ class Bucket:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _snapshot_state(self) -> list[torch.Tensor]:
-        return [t.detach().clone() for t in (*self.stack.state_tensors(), *self.optimizer.tensors())]
+    def _snapshot_state(self) -> tuple:
+        return [t.detach().clone() for t in self.stack.state_tensors()], self.optimizer.snapshot()
 
-    def _restore_state(self, snapshot: list[torch.Tensor]) -> None:
+    def _restore_state(self, snapshot: tuple) -> None:
+        stack_saved, optimizer_saved = snapshot
         with torch.no_grad():
-            for t, saved in zip((*self.stack.state_tensors(), *self.optimizer.tensors()), snapshot):
+            for t, saved in zip(self.stack.state_tensors(), stack_saved):
                 t.copy_(saved)
+            self.optimizer.restore(optimizer_saved)
         for p in self.stack.params.values():
             p.grad = None
