@@ -19,12 +19,14 @@ def read_checkpoint(checkpoint: CheckpointLike) -> dict[str, Any]:
     directory, or the dict itself."""
     if isinstance(checkpoint, dict):
         return checkpoint
+    if hasattr(checkpoint, "as_directory"):  # a Tune Checkpoint (checked first: it is PathLike but refuses)
+        with checkpoint.as_directory() as directory:
+            return read_checkpoint(directory)
     if isinstance(checkpoint, (str, os.PathLike)):
         path = os.path.join(os.fspath(checkpoint), _DICT_FILE)
         with open(path, "rb") as f:
             return cloudpickle.load(f)
-    with checkpoint.as_directory() as directory:
-        return read_checkpoint(directory)
+    raise TypeError(f"expected a Tune Checkpoint, a checkpoint directory or a dict; got {type(checkpoint).__name__}")
 
 
 def member_state(checkpoint: CheckpointLike) -> dict[str, Any]:

@@ -1,0 +1,137 @@
+"""ChorusTrainable through tune.Tuner: fidelity, result fields, placement, checkpoints, errors."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+
+import pytest
+import ray
+import torch
+from ray import tune
+
+from chorus_tune import reference
+from chorus_tune.tune import ChorusTrainable, bucket_stats, load_model, retire_trial
+from tune_support import digits_task, history, mlp, picky_mlp, run_config, start_ray
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    start_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def _fit(trainable, param_space, tmp_path, iterations, **tune_kwargs):
+    tuner = tune.Tuner(trainable, param_space=param_space,
+                       tune_config=tune.TuneConfig(metric="val_loss", mode="min", **tune_kwargs),
+                       run_config=run_config(tmp_path, iterations))
+    return tuner.fit()
+
+
+def test_grid_matches_reference_per_trial_and_iteration(tmp_path):
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=8)
+    space = {"lr": tune.grid_search([0.02, 0.05, 0.1, 0.3]), "weight_decay": tune.grid_search([0.0, 1e-3]),
+             "momentum": 0.5, "seed": 7}
+    results = _fit(trainable, space, tmp_path, iterations=3)
+    assert len(results) == 8 and not results.errors
+    for result in results:
+        config = {k: result.config[k] for k in ("lr", "weight_decay", "momentum", "seed")}
+        expected, _ = reference.train(task, config, seed=7, iterations=3)
+        got = history(result)
+        assert len(got) == 3
+        torch.testing.assert_close(torch.tensor(got), torch.tensor([h["val_loss"] for h in expected]),
+                                   rtol=1e-5, atol=1e-6)
+    # The eight trials were fused: they shared one bucket, all live together.
+    assert len({r.metrics["chorus/bucket"] for r in results}) == 1
+    assert {r.metrics["chorus/live"] for r in results} == {8}
+
+
+def test_every_result_carries_chorus_fields_and_its_cohort(tmp_path):
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4)
+    results = _fit(trainable, {"lr": tune.grid_search([0.05, 0.1, 0.2])}, tmp_path, iterations=2)
+    ids = {r.metrics["trial_id"] for r in results}
+    for result in results:
+        m = result.metrics
+        assert isinstance(m["chorus/bucket"], str) and m["chorus/bucket"].startswith("chorus-bucket-")
+        assert isinstance(m["chorus/slot"], int) and m["chorus/route"] in ("vmap", "eager")
+        assert m["chorus/live"] == 3
+        assert isinstance(m["chorus/seed"], int)
+        cohort = json.loads(m["chorus/cohort"])
+        assert set(cohort) == ids
+        assert cohort[m["trial_id"]]["val_loss"] == pytest.approx(m["val_loss"])
+        assert cohort[m["trial_id"]]["iteration"] == 2
+
+
+def test_seed_without_config_seed_is_derived_from_trial_id_and_reproducible(tmp_path):
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=4)
+    results = _fit(trainable, {"lr": tune.grid_search([0.05, 0.1])}, tmp_path, iterations=2)
+    seeds = {r.metrics["chorus/seed"] for r in results}
+    assert len(seeds) == 2
+    for result in results:
+        expected, _ = reference.train(task, {"lr": result.config["lr"]}, seed=result.metrics["chorus/seed"],
+                                      iterations=2)
+        assert history(result) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)
+
+
+def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_path):
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=3, max_buckets=4)
+    space = {"width": tune.grid_search([16, 24]), "lr": tune.grid_search([0.05, 0.1, 0.2, 0.3])}
+    results = _fit(trainable, space, tmp_path, iterations=2)
+    assert not results.errors
+    width_of = {r.metrics["trial_id"]: r.config["width"] for r in results}
+    ours = [(name, s) for name, s in bucket_stats().items() if set(s["trials"]) & set(width_of)]
+    ours.sort(key=lambda item: int(item[0].rsplit("-", 1)[1]))  # in the order they were opened
+    first_of_width = {}
+    for name, s in ours:
+        widths = {width_of[t] for t in s["trials"]}
+        assert len(widths) == 1  # one structure per bucket
+        first_of_width.setdefault(widths.pop(), s)
+    assert set(first_of_width) == {16, 24}
+    # Trials arriving while the first bucket of their width had room went into it.
+    assert all(len(s["trials"]) >= 3 for s in first_of_width.values())
+    assert max(r.metrics["chorus/live"] for r in results) <= 3
+
+
+def test_load_model_returns_users_module_with_trained_weights(tmp_path):
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=2)
+    results = _fit(trainable, {"lr": tune.grid_search([0.1, 0.2]), "seed": 3}, tmp_path, iterations=2)
+    best = results.get_best_result()
+    model = load_model(best.checkpoint)
+    assert type(model) is type(mlp({}))
+    _, ref_model = reference.train(task, {"lr": best.config["lr"], "seed": 3}, seed=3, iterations=2)
+    for (name, p), (_, q) in zip(model.state_dict().items(), ref_model.state_dict().items()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert not model.training
+
+
+def test_model_factory_error_fails_only_that_trial_with_its_message(tmp_path):
+    trainable = ChorusTrainable.for_task(digits_task(model=picky_mlp), bucket_size=4)
+    results = _fit(trainable, {"lr": tune.grid_search([0.05, 5.0, 0.1])}, tmp_path, iterations=2)
+    errors = [r for r in results if r.error is not None]
+    assert len(errors) == 1 and errors[0].config["lr"] == 5.0
+    assert "picky_mlp refuses lr=5.0" in str(errors[0].error)
+    finished = [r for r in results if r.error is None]
+    assert len(finished) == 2 and all(r.metrics["training_iteration"] == 2 for r in finished)
+
+
+def test_reuse_actors_resets_into_new_members(tmp_path):
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=2, max_buckets=1)
+    tuner = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.1, 0.2, 0.3]), "seed": 1},
+                       tune_config=tune.TuneConfig(metric="val_loss", mode="min", reuse_actors=True),
+                       run_config=run_config(tmp_path, 2))
+    results = tuner.fit()
+    assert not results.errors and len(results) == 4
+    pids = {r.metrics["pid"] for r in results}
+    assert len(pids) < 4  # some actor served two trials
+    for r in results:
+        expected, _ = reference.train(task, {"lr": r.config["lr"], "seed": 1}, seed=1, iterations=2)
+        assert history(r) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)
+
+
+def test_retire_trial_is_idempotent_and_safe_for_unknown_trials():
+    retire_trial("never-joined-00000")
+    retire_trial("never-joined-00000")

@@ -1,0 +1,61 @@
+"""Shared pieces of the Ray Tune layer's tests: small digits tasks and a Ray fixture.
+
+The model factories and data loaders here travel to bucket actors inside the
+pickled task. Workers cannot import this test module, so it is pickled by value.
+"""
+from __future__ import annotations
+
+import sys
+
+import ray
+import ray.cloudpickle
+import torch
+from ray import tune
+from torch import nn
+
+from chorus_tune import Task
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def digits(n_train: int = 512, n_val: int = 256):
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    y = torch.tensor(d.target, dtype=torch.long)
+    return (x[:n_train], y[:n_train]), (x[n_train:n_train + n_val], y[n_train:n_train + n_val])
+
+
+def mlp(config: dict) -> nn.Module:
+    width = config.get("width", 16)
+    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+
+
+def picky_mlp(config: dict) -> nn.Module:
+    if config.get("lr", 0) > 1.0:
+        raise ValueError(f"picky_mlp refuses lr={config['lr']}: too large")
+    return mlp(config)
+
+
+def digits_task(model=mlp, **kwargs) -> Task:
+    return Task(model=model, data=digits, optimizer=kwargs.pop("optimizer", "sgd"),
+                batch_size=kwargs.pop("batch_size", 64), **kwargs)
+
+
+def run_config(tmp_path, iterations: int, **kwargs) -> tune.RunConfig:
+    return tune.RunConfig(storage_path=str(tmp_path), stop={"training_iteration": iterations}, verbose=0,
+                          **kwargs)
+
+
+def start_ray(**kwargs) -> None:
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=kwargs.pop("num_cpus", 2), include_dashboard=kwargs.pop("include_dashboard", False),
+             configure_logging=False, **kwargs)
+
+
+def history(result, metric: str = "val_loss") -> list[float]:
+    """One value per reported iteration, in order."""
+    frame = result.metrics_dataframe.sort_values("training_iteration")
+    return frame[metric].tolist()
