@@ -29,45 +29,55 @@ def resolve_seed(config: dict, seed: int | None) -> int:
 def train(task: Task, config: dict, seed: int | None = None, iterations: int = 1,
           device: str | torch.device = "cpu") -> tuple[list[dict[str, Any]], nn.Module]:
     """Train one member of ``task`` unfused; returns (one metrics dict per iteration, model)."""
-    device = torch.device(device)
-    seed = resolve_seed(config, seed)
-    family = task.optimizer_for(config)
-    hp = hyperparameters(family, config)
-    model = task.build_model(config, seed).to(device)
-    optimizer = build_torch_optimizer(family, model.parameters(), hp)
-    train_split, val_split = task.load_data()
-    batch = task.batch_size_for(config)
-    steps = task.steps_per_iteration(config)
-    if isinstance(train_split, TensorSplit):
-        x_all, y_all = train_split.to(device).tensors
-        order, shared = BatchOrder(len(train_split), batch, seed), None
-    else:
-        order, shared = None, SharedBatches(train_split, batch, task.data_seed)
-    val_split = val_split.to(device) if isinstance(val_split, TensorSplit) else val_split
-    loss_fn = task.loss_fn
-    history, step = [], 0
-    for iteration in range(1, iterations + 1):
+    run = ReferenceRun(task, config, seed, device)
+    history = [run.run_iteration() for _ in range(iterations)]
+    return history, run.model
+
+
+class ReferenceRun:
+    """One member trained unfused, an iteration at a time (what a plain Tune
+    trial would run, reporting after each iteration)."""
+
+    def __init__(self, task: Task, config: dict, seed: int | None = None, device: str | torch.device = "cpu"):
+        self.task, self.device = task, torch.device(device)
+        self.seed = resolve_seed(config, seed)
+        family = task.optimizer_for(config)
+        self.hp = hyperparameters(family, config)
+        self.model = task.build_model(config, self.seed).to(self.device)
+        self.optimizer = build_torch_optimizer(family, self.model.parameters(), self.hp)
+        train_split, val_split = task.load_data()
+        batch = task.batch_size_for(config)
+        self.steps = task.steps_per_iteration(config)
+        if isinstance(train_split, TensorSplit):
+            self.x, self.y = train_split.to(self.device).tensors
+            self.order, self.shared = BatchOrder(len(train_split), batch, self.seed), None
+        else:
+            self.order, self.shared = None, SharedBatches(train_split, batch, task.data_seed)
+        self.val = val_split.to(self.device) if isinstance(val_split, TensorSplit) else val_split
+        self.iteration, self.step = 0, 0
+
+    def run_iteration(self) -> dict[str, Any]:
+        model, optimizer, device = self.model, self.optimizer, self.device
         model.train()
-        indices = order.take(steps) if order is not None else None
+        indices = self.order.take(self.steps) if self.order is not None else None
         loss_sum = torch.zeros((), device=device)
-        for s in range(steps):
+        for s in range(self.steps):
             if indices is not None:
                 idx = indices[s].to(device)
-                x, y = x_all[idx], y_all[idx]
+                x, y = self.x[idx], self.y[idx]
             else:
-                x, y = (t.to(device) for t in shared.next())
+                x, y = (t.to(device) for t in self.shared.next())
             for group in optimizer.param_groups:
-                group["lr"] = scheduled_lr(hp["lr"], hp["schedule"], step)
+                group["lr"] = scheduled_lr(self.hp["lr"], self.hp["schedule"], self.step)
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(x), y).mean()
+            loss = self.task.loss_fn(model(x), y).mean()
             loss.backward()
             optimizer.step()
             loss_sum += loss.detach()
-            step += 1
-        metrics = {"train_loss": (loss_sum / steps).item(), **evaluate(task, model, val_split, device),
-                   "iteration": iteration, "route": "reference", "seed": seed}
-        history.append(metrics)
-    return history, model
+            self.step += 1
+        self.iteration += 1
+        return {"train_loss": (loss_sum / self.steps).item(), **evaluate(self.task, model, self.val, device),
+                "iteration": self.iteration, "route": "reference", "seed": self.seed}
 
 
 @torch.no_grad()
