@@ -1,0 +1,252 @@
+"""The same sweep three ways: plain Ray Tune, chorus_tune, and the raw fused loop.
+
+(a) plain   Ray Tune as a user runs it today: a function trainable training one
+            model with ``chorus_tune.reference`` (stock ``torch.optim``),
+            ``reuse_actors=True``, stock ``ASHAScheduler``, one CPU per trial
+            (so every core runs a trial; plus a GPU fraction per trial on CUDA).
+(b) chorus  ``ChorusTrainable`` + ``ChorusSearch`` + ``ChorusASHA``, same
+            configs, seeds, epochs and ASHA settings.
+(c) fused   the core's ``Bucket`` over the same members with no Ray at all, the
+            buckets one after another, pruning each cohort at the same rungs as
+            synchronous successive halving (what ChorusASHA decides for a full
+            cohort): the ceiling for (b).
+
+All three run one after another in one invocation, repeated and interleaved
+(a, b, c, a, b, c, ...), so a drifting machine load hits all alike. Printed and
+written (JSON, PNG): median wall time, trials per minute, best final
+``val_accuracy``, and the ratios (a)/(b) and (b)/(c).
+
+    .venv/bin/python benchmarks/vs_tune.py --workload synth-mlp64 --trials 32 --epochs 10 --bucket-size 16
+    .venv/bin/python benchmarks/vs_tune.py --device cuda --workload cifar-cnn --trials 16 --epochs 3  # on a GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads  # noqa: E402  (after the path tweak: benchmarks/ is not a package)
+
+import chorus_tune as ct  # noqa: E402
+from chorus_tune.reference import ReferenceRun  # noqa: E402
+
+METRIC, MODE = "val_accuracy", "max"
+
+
+@dataclass
+class Outcome:
+    way: str
+    wall_s: float
+    trials: int
+    best: float
+    reached_max_t: int
+
+    @property
+    def trials_per_min(self) -> float:
+        return 60.0 * self.trials / self.wall_s
+
+
+def sweep(trials: int) -> dict:
+    """``trials`` configs: a learning-rate axis times a weight-decay axis, seed 0 for all."""
+    n_wd = 4 if trials % 4 == 0 else 1
+    n_lr = trials // n_wd
+    lrs = [round(0.003 * (100 ** (i / max(1, n_lr - 1))), 6) for i in range(n_lr)]  # 0.003 .. 0.3
+    wds = [0.0, 1e-4, 1e-3, 1e-2][:n_wd]
+    return {"lr": lrs, "weight_decay": wds, "momentum": 0.9, "seed": 0}
+
+
+def configs_of(space: dict) -> list[dict]:
+    return [dict(lr=lr, weight_decay=wd, momentum=space["momentum"], seed=space["seed"])
+            for lr in space["lr"] for wd in space["weight_decay"]]
+
+
+def tune_space(space: dict) -> dict:
+    from ray import tune
+
+    return {"lr": tune.grid_search(space["lr"]), "weight_decay": tune.grid_search(space["weight_decay"]),
+            "momentum": space["momentum"], "seed": space["seed"]}
+
+
+def best_final(results, max_t: int) -> tuple[float, int]:
+    """Best final metric over the trials, and how many trials reached ``max_t``."""
+    finals = [r.metrics for r in results if r.metrics and METRIC in r.metrics]
+    best = max((m[METRIC] for m in finals if not math.isnan(m[METRIC])), default=float("nan"))
+    return best, sum(1 for m in finals if m.get("training_iteration") == max_t)
+
+
+def run_plain(task: ct.Task, space: dict, args) -> Outcome:
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    device = args.device
+    threads = 1
+
+    def train_one(config: dict, task: ct.Task = None) -> None:
+        torch.set_num_threads(threads)
+        run = ReferenceRun(task, config, device=device)
+        for _ in range(args.epochs):
+            metrics = run.run_iteration()
+            tune.report({k: v for k, v in metrics.items() if k != "route"})
+
+    resources = {"cpu": 1}
+    if device == "cuda":
+        resources["gpu"] = 1.0 / args.gpu_trials
+    trainable = tune.with_resources(tune.with_parameters(train_one, task=task), resources)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as storage:
+        tuner = tune.Tuner(
+            trainable, param_space=tune_space(space),
+            tune_config=tune.TuneConfig(metric=METRIC, mode=MODE, reuse_actors=True,
+                                        scheduler=ASHAScheduler(max_t=args.epochs, grace_period=1,
+                                                                reduction_factor=args.reduction_factor)),
+            run_config=tune.RunConfig(storage_path=storage, stop={"training_iteration": args.epochs}, verbose=0),
+        )
+        results = tuner.fit()
+    wall = time.perf_counter() - start
+    best, reached = best_final(results, args.epochs)
+    return Outcome("plain", wall, len(results), best, reached)
+
+
+def run_chorus(task: ct.Task, space: dict, args) -> Outcome:
+    from ray import tune
+
+    from chorus_tune import ChorusASHA, ChorusSearch, ChorusTrainable
+
+    trainable = ChorusTrainable.for_task(task, bucket_size=args.bucket_size)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as storage:
+        tuner = tune.Tuner(
+            trainable, param_space=tune_space(space),
+            tune_config=tune.TuneConfig(
+                # With a Searcher, Tune's num_samples counts every trial (not passes over the grid).
+                metric=METRIC, mode=MODE, search_alg=ChorusSearch(task=trainable), num_samples=args.trials,
+                scheduler=ChorusASHA(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor)),
+            run_config=tune.RunConfig(storage_path=storage, stop={"training_iteration": args.epochs}, verbose=0),
+        )
+        results = tuner.fit()
+    wall = time.perf_counter() - start
+    best, reached = best_final(results, args.epochs)
+    return Outcome("chorus", wall, len(results), best, reached)
+
+
+def run_fused(task: ct.Task, space: dict, args) -> Outcome:
+    from chorus_tune.tune.halving import rung_milestones, select_survivors
+
+    rungs = set(rung_milestones(1, args.epochs, args.reduction_factor))
+    configs = configs_of(space)
+    start = time.perf_counter()
+    best, reached = float("nan"), 0
+    for first in range(0, len(configs), args.bucket_size):
+        bucket = ct.Bucket(task, min(args.bucket_size, len(configs) - first), device=args.device)
+        for config in configs[first:first + args.bucket_size]:
+            bucket.add(config)
+        for epoch in range(1, args.epochs + 1):
+            results = bucket.run_iteration()
+            if epoch == args.epochs:
+                finals = [m[METRIC] for m in results.values() if not math.isnan(m[METRIC])]
+                best = max([best, *finals]) if not math.isnan(best) else max(finals, default=best)
+                reached += len(results)
+            elif epoch in rungs:
+                keep = set(select_survivors({str(s): m[METRIC] for s, m in results.items()},
+                                            args.reduction_factor))
+                for slot in results:
+                    if str(slot) not in keep:
+                        bucket.retire(slot)
+                if 2 * len(bucket.live_slots) <= bucket.capacity:
+                    bucket.compact()
+    wall = time.perf_counter() - start
+    return Outcome("fused", wall, len(configs), best, reached)
+
+
+def plot(summary: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ways = [w for w in ("plain", "chorus", "fused") if w in summary["median_wall_s"]]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(ways, [summary["median_wall_s"][w] for w in ways], color=["#888", "#2a7", "#27a"][:len(ways)])
+    ax.set_ylabel("wall time, s (median)")
+    ax.set_title(f"{summary['workload']}: {summary['trials']} trials x {summary['epochs']} epochs, "
+                 f"bucket {summary['bucket_size']}", fontsize=9)
+    for i, w in enumerate(ways):
+        ax.text(i, summary["median_wall_s"][w], f"{summary['median_wall_s'][w]:.1f}s", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="synth-mlp64", choices=sorted(workloads.WORKLOADS))
+    parser.add_argument("--trials", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--bucket-size", type=int, default=16)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--reduction-factor", type=float, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ways", default="plain,chorus,fused")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--gpu-trials", type=int, default=16, help="(a) on CUDA: trials sharing the GPU")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+
+    import ray
+
+    model_factory, data_factory = workloads.WORKLOADS[args.workload]
+    task = ct.Task(model_factory(), data_factory(), optimizer="sgd", batch_size=args.batch_size)
+    space = sweep(args.trials)
+    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
+    machine = (f"{platform.machine()} {os.cpu_count()} CPUs"
+               + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""))
+    print(f"{args.workload}: {args.trials} trials x {args.epochs} epochs, bucket {args.bucket_size}, "
+          f"ASHA rf={args.reduction_factor}, device={args.device}, machine: {machine}", flush=True)
+    runners = {"plain": run_plain, "chorus": run_chorus, "fused": run_fused}
+    ways = args.ways.split(",")
+    outcomes: dict[str, list[Outcome]] = {w: [] for w in ways}
+    for r in range(args.repeats):
+        for way in ways:
+            outcome = runners[way](task, space, args)
+            outcomes[way].append(outcome)
+            print(f"  repeat {r + 1} {way:7} {outcome.wall_s:7.1f} s  {outcome.trials_per_min:7.1f} trials/min  "
+                  f"best {METRIC}={outcome.best:.4f}  reached max_t: {outcome.reached_max_t}", flush=True)
+    ray.shutdown()
+    median = {w: statistics.median(o.wall_s for o in outs) for w, outs in outcomes.items()}
+    summary = {
+        "workload": args.workload, "trials": args.trials, "epochs": args.epochs, "bucket_size": args.bucket_size,
+        "device": args.device, "machine": machine, "torch": torch.__version__,
+        "median_wall_s": median,
+        "trials_per_min": {w: 60.0 * args.trials / s for w, s in median.items()},
+        "best": {w: max(o.best for o in outs) for w, outs in outcomes.items()},
+        "runs": {w: [asdict(o) for o in outs] for w, outs in outcomes.items()},
+    }
+    if "plain" in median and "chorus" in median:
+        summary["plain_over_chorus"] = median["plain"] / median["chorus"]
+    if "chorus" in median and "fused" in median:
+        summary["chorus_over_fused"] = median["chorus"] / median["fused"]
+    print(f"{'way':8} {'median s':>9} {'trials/min':>11} {'best':>7}")
+    for w in ways:
+        print(f"{w:8} {median[w]:9.1f} {summary['trials_per_min'][w]:11.1f} {summary['best'][w]:7.4f}")
+    for name in ("plain_over_chorus", "chorus_over_fused"):
+        if name in summary:
+            print(f"{name.replace('_over_', ' / ')}: {summary[name]:.2f}x")
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"vs_tune-{args.workload}-t{args.trials}-e{args.epochs}-b{args.bucket_size}")
+    with open(stem + ".json", "w") as fh:
+        json.dump(summary, fh, indent=2)
+    plot(summary, stem + ".png")
+    print(f"wrote {stem}.json and {stem}.png")
+
+
+if __name__ == "__main__":
+    main()
