@@ -64,6 +64,11 @@ class SpaceSampler(Searcher):
                 {"config": self._space}, random_state=self._rng)]
         return self._pass.pop(0)
 
+    def on_trial_complete(
+        self, trial_id: str, result: Optional[Dict] = None, error: bool = False
+    ) -> None:
+        pass  # random and grid sampling learn nothing from results
+
     def save(self, checkpoint_path: str) -> None:
         with open(checkpoint_path, "wb") as f:
             cloudpickle.dump(self.__dict__, f)
@@ -73,16 +78,16 @@ class SpaceSampler(Searcher):
             self.__dict__.update(cloudpickle.load(f))
 
 
-def _key_function(task: Any, key: Optional[Callable[[Dict], Hashable]]):
-    if key is not None:
-        return key
-    if task is None:
-        return None
-    # A ChorusTrainable class (or anything) carrying its Task as `.task`.
-    task = getattr(task, "task", task)
-    if not hasattr(task, "structural_key"):
-        raise TypeError(f"task must be a chorus_tune.Task or carry one as .task; got {task!r}")
-    return task.structural_key
+def _resolve_task(task: Any) -> Any:
+    """The Task behind ``task``: a Task, a ChorusTrainable class, or None."""
+    if task is None or hasattr(task, "structural_key"):
+        return task
+    inner = getattr(task, "task", None)  # a subclass with a `task` attribute
+    if inner is None and getattr(task, "_task_blob", None) is not None:
+        inner = cloudpickle.loads(task._task_blob)  # ChorusTrainable.for_task(...)
+    if inner is None or not hasattr(inner, "structural_key"):
+        raise TypeError(f"task must be a chorus_tune.Task or a ChorusTrainable class; got {task!r}")
+    return inner
 
 
 class ChorusSearch(ConcurrencyLimiter):
@@ -99,8 +104,10 @@ class ChorusSearch(ConcurrencyLimiter):
     Args:
         searcher: any Tune ``Searcher`` (e.g. ``OptunaSearch``); None samples
             ``param_space`` itself (grid axes and random distributions).
-        bucket_size: slots per bucket; use the trainable's own bucket size.
-        max_buckets: at most this many buckets open at once (None: no limit).
+        bucket_size: slots per bucket. None: the trainable's own (when
+            ``task`` is a ChorusTrainable class), else 16.
+        max_buckets: at most this many buckets open at once. None: the
+            trainable's ``max_buckets`` when it has one, else no limit.
             The concurrency Tune sees is ``bucket_size * max_buckets``. Set it
             with a model-based searcher, so it is asked only as fast as slots
             free up. (Use this, not ``TuneConfig(max_concurrent_trials=...)``:
@@ -109,8 +116,9 @@ class ChorusSearch(ConcurrencyLimiter):
             ``bucket_size``). Pulled ahead only when no waiting suggestion
             fits a free slot; raise it when the space mixes structures.
         task: what decides the structural key: a ``chorus_tune.Task``, or a
-            ChorusTrainable class (anything with a ``.task``). Needed because
-            a Searcher never sees the trainable. Without it (and without
+            ChorusTrainable class (``ChorusTrainable.for_task(...)`` or a
+            subclass with ``task``). Needed because a Searcher never sees the
+            trainable: pass the same class you give ``tune.Tuner``. Without it (and without
             ``key``) every config counts as one structure.
         key: instead of ``task``, a function ``config -> hashable key``.
         random_state: seed for sampling ``param_space`` (no inner searcher).
@@ -124,20 +132,25 @@ class ChorusSearch(ConcurrencyLimiter):
     def __init__(
         self,
         searcher: Optional[Searcher] = None,
-        bucket_size: int = 16,
+        bucket_size: Optional[int] = None,
         max_buckets: Optional[int] = None,
         lookahead: Optional[int] = None,
         task: Any = None,
         key: Optional[Callable[[Dict], Hashable]] = None,
         random_state: Optional[int] = None,
     ):
+        # A trainable class knows its own bucket size and bucket limit.
+        if bucket_size is None:
+            bucket_size = getattr(task, "bucket_size", None) or 16
+        if max_buckets is None and isinstance(getattr(task, "max_buckets", None), int):
+            max_buckets = task.max_buckets
         self._book = SlotBook(bucket_size, max_buckets)  # validates the sizes
         inner = searcher if searcher is not None else SpaceSampler(random_state)
         max_concurrent = bucket_size * max_buckets if max_buckets else _UNLIMITED
         super().__init__(inner, max_concurrent=max_concurrent)
         self._own_sampler = searcher is None
-        self._task = task
-        self._key_fn = _key_function(task, key)
+        self._task = _resolve_task(task) if key is None else None
+        self._key_fn = key if key is not None else getattr(self._task, "structural_key", None)
         self.lookahead = max(1, lookahead if lookahead is not None else bucket_size)
         self._prefix = f"chorus_{uuid.uuid4().hex[:6]}_"
         self._pulled = 0                 # suggestions taken from the inner searcher
@@ -193,12 +206,14 @@ class ChorusSearch(ConcurrencyLimiter):
         inner = self._inner_id.pop(trial_id, None)
         if inner is None:
             return
-        self.searcher.on_trial_complete(inner, result=result, error=error)
+        # Free the slot first: an inner searcher that raises must not leave
+        # the slot taken for ever (the search would wait on it).
         self._book.complete(self._key_of.pop(trial_id))
         self._unstarted.pop(trial_id, None)
         self.live_trials.discard(trial_id)
         self.num_unfinished_live_trials -= 1
         self._publish()
+        self.searcher.on_trial_complete(inner, result=result, error=error)
 
     def on_pause(self, trial_id: str) -> None:
         inner = self._inner_id.get(trial_id)

@@ -1,0 +1,89 @@
+"""ChorusSearch inside real Tune runs: an inner OptunaSearch, a stock scheduler, Tuner.restore."""
+import os
+import sys
+
+import pytest
+import ray
+import ray.cloudpickle
+from ray import tune
+from ray.tune import Callback
+from ray.tune.schedulers import ASHAScheduler
+
+from chorus_tune.tune.search import ChorusSearch
+
+# Workers cannot import this test module: ship its functions by value.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def _quadratic(config):
+    for i in range(1, 4):
+        tune.report({"score": -((config["x"] - 0.3) ** 2) * i})
+
+
+def _run_config(tmp_path, **kw):
+    return tune.RunConfig(storage_path=str(tmp_path), verbose=0, **kw)
+
+
+def test_inner_optuna_search_is_told_every_trial_under_its_own_ids(tmp_path):
+    optuna = pytest.importorskip("optuna")
+    from ray.tune.search.optuna import OptunaSearch
+
+    search = ChorusSearch(OptunaSearch(seed=0), bucket_size=4, max_buckets=1)
+    tuner = tune.Tuner(
+        _quadratic,
+        param_space={"x": tune.uniform(0, 1)},
+        tune_config=tune.TuneConfig(metric="score", mode="max", num_samples=8,
+                                    search_alg=search, scheduler=ASHAScheduler(max_t=3)),
+        run_config=_run_config(tmp_path),
+    )
+    results = tuner.fit()
+    assert len(results) == 8 and not results.errors
+    study = search.searcher._ot_study
+    finished = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
+    assert len(finished) == 8
+    # Optuna's record of each trial is the Tune trial's last score, for its own x.
+    by_x = {round(r.config["x"], 12): r.metrics["score"] for r in results}
+    assert {round(t.params["x"], 12): t.value for t in finished} == pytest.approx(by_x)
+
+
+class _StopAfter(Callback):
+    """Interrupts the experiment once, when `n` trials have completed.
+
+    The marker file keeps the restored run (which gets this callback back
+    from the experiment state) from being interrupted again.
+    """
+
+    def __init__(self, n, marker):
+        self.n, self.marker = n, marker
+
+    def on_step_begin(self, iteration, trials, **info):
+        if os.path.exists(self.marker):
+            return
+        if sum(t.status == "TERMINATED" for t in trials) >= self.n:
+            open(self.marker, "w").close()
+            raise RuntimeError("interrupted on purpose")
+
+
+def test_tuner_restore_resumes_the_search_without_repeating_or_losing_configs(tmp_path):
+    grid = [round(0.1 * i, 1) for i in range(8)]
+    tuner = tune.Tuner(
+        _quadratic,
+        param_space={"x": tune.grid_search(grid)},
+        tune_config=tune.TuneConfig(metric="score", mode="max", num_samples=8,
+                                    search_alg=ChorusSearch(bucket_size=2, max_buckets=1)),
+        run_config=_run_config(tmp_path, name="exp", callbacks=[_StopAfter(3, str(tmp_path / "interrupted"))]),
+    )
+    with pytest.raises(RuntimeError, match="interrupted on purpose"):
+        tuner.fit()
+    path = str(tmp_path / "exp")
+    restored = tune.Tuner.restore(path, trainable=_quadratic, resume_errored=True)
+    results = restored.fit()
+    assert sorted(r.config["x"] for r in results) == grid
+    assert not results.errors
