@@ -19,7 +19,14 @@ script puts on ``sys.path``; the project's ``.venv`` is not touched::
 
     .venv/bin/python benchmarks/vs_chorus.py --install      # once: pip install from PyPI
     .venv/bin/python benchmarks/vs_chorus.py [--ks 1,4,16,64] [--width 128]
-        [--steps 40] [--repeats 5] [--data per-member|shared] [--threads N] [--json out.json]
+        [--steps 40] [--repeats 5] [--data per-member|shared] [--route auto|vmap|eager]
+        [--threads N] [--json out.json] [--profile]
+
+On a machine other jobs share, pass ``--threads 1``: with torch's default of
+one thread per core, a busy 2-core machine stretched single iterations by 10x
+or more (OpenMP threads waiting on each other), for both sides, and best-of-N
+no longer filtered that out. ``--profile`` prints a ``torch.profiler`` table of
+one iteration per side and K.
 
 ``--install`` runs ``python -m pip install --no-deps --ignore-requires-python
 --target .bench-venv/site chorus-torch==0.1.0`` (``--wheel PATH`` installs a
