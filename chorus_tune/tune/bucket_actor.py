@@ -201,9 +201,9 @@ class ChorusBucket:
         self.slots.pop(member, None)
         self.parked.pop(member, None)
 
-    def _notify_pool_left(self, member: str) -> None:
+    def _notify_pool_left(self, member: str, reason: str | None = None) -> None:
         if self._pool is not None:
-            self._pool.leave.remote(member, False)
+            self._pool.leave.remote(member, False, reason)
 
     async def _park(self, member: str) -> None:
         """Free a member's slot but keep its state, and stop waiting for it."""
@@ -330,7 +330,7 @@ class ChorusBucket:
                 logger.warning("%s: reaping %s: its trial actor died", self.name, m)
                 self.reaped.append(m)
                 await self.leave(m, keep_state=False)
-                self._notify_pool_left(m)
+                self._notify_pool_left(m, "reaped")
         waited = self.lockstep.waiting_for_s()
         park_after = self.options.park_after_s
         if park_after is not None and waited > park_after:

@@ -82,10 +82,13 @@ class ChorusPool:
             self.blobs[task_id_] = task_blob
         if self.placement is None:
             self.placement = Placement(self._budget(options), prefix=f"chorus-bucket-{self.job_id}")
+        else:
+            # Successive runs in one driver may size their buckets differently.
+            self.placement.max_buckets = self._budget(options)
         # A reservation for a trial already placed is a restart (new actor,
         # reset, recovery): its old membership is stale.
         if self.placement.bucket_of(trial_id) is not None or self.placement.is_waiting(trial_id):
-            await self.leave(trial_id, False)
+            await self.leave(trial_id)
         task = self.tasks[task_id_]
         skey = task.structural_key(config)  # raises the factory's own error for a bad config
         key = (task_id_, options, skey)
@@ -118,7 +121,7 @@ class ChorusPool:
             ).remote(name, self.blobs[tid], bucket_options, model_name, ray.get_runtime_context().current_actor)
             self.handles[name] = handle
             self.history[name] = {"model": model_name, "capacity": record.capacity, "trials": record.ever,
-                                  "closed": False}
+                                  "closed": False, "reaped": []}
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
         await self.handles[name].expect.remote(placed.trial_id, self.clients.get(placed.trial_id))
         return name
@@ -141,9 +144,10 @@ class ChorusPool:
         return bucket_budget(cluster, resources)
 
     # ----- trials out -----------------------------------------------------------------------------
-    async def leave(self, trial_id: str, notify_bucket: bool = True) -> None:
+    async def leave(self, trial_id: str, notify_bucket: bool = True, reason: str | None = None) -> None:
         """``trial_id`` leaves its bucket (or stops waiting). Idempotent; a no-op
-        for a trial the pool never saw."""
+        for a trial the pool never saw. ``reason`` (e.g. ``"reaped"``) is recorded
+        in the bucket's history."""
         self._start()
         if self.placement is None:
             return
@@ -152,6 +156,8 @@ class ChorusPool:
             future.set_exception(RuntimeError(f"trial {trial_id} left before it was placed"))
         name = self.placement.bucket_of(trial_id)
         self.clients.pop(trial_id, None)
+        if reason is not None and name in self.history:
+            self.history[name].setdefault(reason, []).append(trial_id)
         update = self.placement.remove(trial_id)
         if name is not None and notify_bucket and name in self.handles:
             try:
@@ -178,7 +184,7 @@ class ChorusPool:
         record = self.placement.buckets.get(name)
         if record is None:
             return
-        await asyncio.sleep(record and self.key_info[record.key][1].idle_close_s)
+        await asyncio.sleep(self.key_info[record.key][1].idle_close_s)
         record = self.placement.buckets.get(name)
         if record is not None and not record.members:
             _, update = self.placement.close(name)
@@ -244,7 +250,7 @@ class ChorusPool:
         out = {}
         for name, info in self.history.items():
             record = self.placement.buckets.get(name) if self.placement else None
-            out[name] = {**info, "trials": list(info["trials"]),
+            out[name] = {**info, "trials": list(info["trials"]), "reaped": list(info.get("reaped", [])),
                          "members": list(record.members) if record else []}
         return out
 

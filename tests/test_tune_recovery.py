@@ -1,0 +1,200 @@
+"""Pause/resume, exploit, restore and faults: members move through checkpoints and survive failures."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+import ray.cloudpickle as cloudpickle
+from ray import tune
+from ray.tune import Callback
+from ray.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
+
+from chorus_tune import reference
+from chorus_tune.tune import ChorusTrainable, bucket_stats
+from chorus_tune.tune.options import BucketOptions, Join
+from chorus_tune.tune.pool import NAMESPACE, get_pool, task_id
+from tune_support import digits_task, history, run_config, start_ray
+
+HERE = os.path.dirname(__file__)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_cluster():
+    start_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def _reference_losses(task, config, seed, iterations):
+    expected, _ = reference.train(task, config, seed=seed, iterations=iterations)
+    return [h["val_loss"] for h in expected]
+
+
+class _Restores(Callback):
+    def __init__(self):
+        self.restored, self.recovered, self.starts = set(), {}, {}
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self.starts[trial.trial_id] = self.starts.get(trial.trial_id, 0) + 1
+
+    def on_trial_restore(self, iteration, trials, trial, **info):
+        self.restored.add(trial.trial_id)
+
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        with open(trial.error_file) as f:
+            self.recovered[trial.trial_id] = f.read()
+
+
+def test_hyperband_paused_members_resume_on_their_reference_trajectory(tmp_path):
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=4)
+    # stop_last_trials=False: stock HyperBand's last-rung cleanup stops PAUSED
+    # trials but not ones still saving (a Tune race that trials reporting
+    # together, as fused ones do, hit); the stop criterion ends them instead.
+    scheduler = HyperBandScheduler(time_attr="training_iteration", max_t=4, reduction_factor=2,
+                                   stop_last_trials=False)
+    starts = _Restores()
+    tuner = tune.Tuner(
+        trainable, param_space={"lr": tune.grid_search([0.02, 0.05, 0.1, 0.2, 0.3, 0.4]), "seed": 5},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler),
+        run_config=run_config(tmp_path, 4, callbacks=[starts]))
+    results = tuner.fit()
+    assert not results.errors
+    # A paused trial is started again (a new actor) when it resumes.
+    resumed = [r for r in results if starts.starts[r.metrics["trial_id"]] > 1]
+    assert resumed
+    for r in resumed:
+        got = history(r)
+        assert r.metrics["training_iteration"] == 4
+        assert got == pytest.approx(_reference_losses(task, {"lr": r.config["lr"], "seed": 5}, 5, len(got)),
+                                    rel=1e-5)
+
+
+def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path):
+    # Top trials have lr 0.5 and mutation keeps lr 0.5: an exploiting trial then
+    # holds exactly its donor's state (weights, optimizer, data order) and config,
+    # so from the exploit on it reports exactly what its donor reports.
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4)
+    pbt = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=2,
+                                  hyperparam_mutations={"lr": [0.5]}, quantile_fraction=0.5, synch=True)
+    callback = _Restores()
+    tuner = tune.Tuner(
+        trainable, param_space={"lr": tune.grid_search([0.001, 0.002, 0.5, 0.5])},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=pbt),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0, stop={"training_iteration": 4},
+                                  callbacks=[callback]))
+    results = tuner.fit()
+    assert not results.errors
+    frames = {r.metrics["trial_id"]: r.metrics_dataframe.drop_duplicates("training_iteration", keep="last")
+              .set_index("training_iteration")["val_loss"] for r in results}
+    originals = {r.metrics["trial_id"]: r for r in results}
+    exploited = [t for t, r in originals.items()
+                 if r.metrics_dataframe.sort_values("training_iteration")["config/lr"].iloc[0] < 0.5]
+    assert all(originals[t].config["lr"] == 0.5 for t in exploited)
+    assert len(exploited) == 2  # both low-lr trials took a donor's state and lr
+    donors = [t for t in originals if t not in exploited]
+    for t in exploited:
+        after = frames[t].loc[[3, 4]].tolist()
+        assert any(after == pytest.approx(frames[d].loc[[3, 4]].tolist(), rel=1e-6) for d in donors)
+
+
+def test_killed_trial_actor_is_reaped_and_the_others_finish(tmp_path):
+    class KillOne(Callback):
+        victim = None
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            if self.victim is None and result["training_iteration"] == 1:
+                self.victim = trial.trial_id
+                ray.kill(trial.temporary_state.ray_actor)
+
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, park_after_s=None,
+                                         lockstep_timeout_s=120.0)
+    killer = KillOne()
+    start = time.monotonic()
+    results = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.1, 0.2])},
+                         tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+                         run_config=run_config(tmp_path, 3, callbacks=[killer])).fit()
+    assert time.monotonic() - start < 100  # not by the 120 s lockstep timeout
+    errored = [r.metrics["trial_id"] for r in results if r.error is not None]
+    assert errored == [killer.victim]
+    assert all(r.metrics["training_iteration"] == 3 for r in results if r.error is None)
+    assert any(killer.victim in s["reaped"] for s in bucket_stats().values())
+
+
+def test_killed_bucket_fails_its_trials_clearly_and_they_resume_from_checkpoints(tmp_path):
+    class KillBucket(Callback):
+        killed = None
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            if self.killed is None and result["training_iteration"] == 2:
+                self.killed = result["chorus/bucket"]
+                ray.kill(ray.get_actor(self.killed, namespace=NAMESPACE))
+
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=4)
+    killer, restores = KillBucket(), _Restores()
+    results = tune.Tuner(
+        trainable, param_space={"lr": tune.grid_search([0.05, 0.1, 0.2]), "seed": 2},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+        run_config=run_config(tmp_path, 4, callbacks=[killer, restores],
+                              failure_config=tune.FailureConfig(max_failures=1),
+                              checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1))).fit()
+    assert not results.errors
+    assert restores.recovered  # trials failed and were recovered
+    for text in restores.recovered.values():
+        assert f"bucket {killer.killed}" in text and "died" in text
+    for r in results:
+        assert r.metrics["training_iteration"] == 4
+        assert r.metrics["chorus/bucket"] != killer.killed
+        assert r.metrics["val_loss"] == pytest.approx(
+            _reference_losses(task, {"lr": r.config["lr"], "seed": 2}, 2, 4)[-1], rel=1e-5)
+
+
+def test_lockstep_wait_that_cannot_complete_fails_naming_the_missing_member():
+    blob = cloudpickle.dumps(digits_task())
+    options = BucketOptions(bucket_size=4, gather_s=0.0, park_after_s=None, lockstep_timeout_s=2.0,
+                            reap_interval_s=0.25, idle_close_s=0.5)
+    pool = get_pool(create=True)
+    _, bucket = ray.get(pool.reserve.remote("ghost-00001", task_id(blob), blob, {"lr": 0.1}, options, None))
+    ray.get(pool.reserve.remote("alive-00001", task_id(blob), blob, {"lr": 0.1}, options, None))
+    try:
+        with pytest.raises(Exception, match="ghost-00001"):
+            ray.get(bucket.step.remote("alive-00001", Join({"lr": 0.1}, seed=0)), timeout=60)
+    finally:
+        ray.get([pool.leave.remote("ghost-00001"), pool.leave.remote("alive-00001")])
+
+
+def test_tuner_restore_resumes_unfinished_trials_in_fresh_buckets(tmp_path):
+    address = ray.get_runtime_context().gcs_address
+    env = {**os.environ, "TUNE_GLOBAL_CHECKPOINT_S": "0", "PYTHONPATH": HERE}
+    driver = subprocess.Popen([sys.executable, os.path.join(HERE, "tune_restore_driver.py"), address,
+                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                              env=env)
+    seen = 0
+    try:
+        for line in driver.stdout:
+            if line.startswith("RESULT"):
+                seen += 1
+                if seen >= 6:  # every trial has a checkpoint at iteration >= 1; none is done
+                    break
+    finally:
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    assert seen >= 6
+    time.sleep(3)  # let the dead job's pool close its buckets
+    from tune_restore_driver import make_trainable
+
+    task = digits_task()
+    results = tune.Tuner.restore(str(tmp_path / "restore_me"), trainable=make_trainable()).fit()
+    assert len(results) == 3 and not results.errors
+    job = ray.get_runtime_context().get_job_id()
+    for r in results:
+        assert r.metrics["training_iteration"] == 6
+        assert r.metrics["chorus/bucket"].startswith(f"chorus-bucket-{job}-")  # this driver's pool
+        assert r.metrics["val_loss"] == pytest.approx(
+            _reference_losses(task, {"lr": r.config["lr"], "seed": 4}, 4, 6)[-1], rel=1e-5)

@@ -1,0 +1,40 @@
+"""A Tune driver that a test starts in its own process and kills mid-run
+(tests/test_tune_recovery.py): ``python tune_restore_driver.py <ray address> <storage path>``."""
+from __future__ import annotations
+
+import sys
+import time
+
+import ray
+from ray import tune
+from ray.tune import Callback
+
+from chorus_tune.tune import ChorusTrainable
+from tune_support import digits_task
+
+
+def make_trainable():
+    return ChorusTrainable.for_task(digits_task(), bucket_size=4)
+
+
+class _Slow(Callback):
+    """Prints each result and slows the run so that it can be stopped mid-way."""
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        print(f"RESULT {trial.trial_id} {result['training_iteration']}", flush=True)
+        time.sleep(0.3)
+
+
+def main(address: str, storage: str) -> None:
+    ray.init(address=address, configure_logging=False)
+    tuner = tune.Tuner(
+        make_trainable(), param_space={"lr": tune.grid_search([0.05, 0.1, 0.2]), "seed": 4},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+        run_config=tune.RunConfig(name="restore_me", storage_path=storage, verbose=0,
+                                  stop={"training_iteration": 6}, callbacks=[_Slow()],
+                                  checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1)))
+    tuner.fit()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
