@@ -212,26 +212,34 @@ class StackedOptimizer:
     def _sgd(self, lr: torch.Tensor, active: torch.Tensor, all_active: bool) -> None:
         flags = self._hp_flags()
         wd, momentum, dampening = self.hp["weight_decay"], self.hp["momentum"], self.hp["dampening"]
+        neg_lr = -lr
         for name, p in self.params.items():
             if p.grad is None:
                 continue
             def b(v: torch.Tensor) -> torch.Tensor:
                 return _per_member(v, p)
-            live = b(active)
-            d_p = p.grad + b(wd) * p if flags["any_wd"] else p.grad
+            # The gradient is ours (set to None before every step): update it in place.
+            d_p = p.grad.addcmul_(p, b(wd)) if flags["any_wd"] else p.grad
             if flags["any_momentum"]:
                 buf = self.state[name]["momentum_buffer"]
-                decayed = buf * b(momentum) + (d_p * b(1 - dampening) if flags["any_dampening"] else d_p)
-                # torch starts a member's buffer as a copy of its first gradient.
-                new_buf = decayed if not self._without_buffer else torch.where(b(self.has_buffer), decayed, d_p)
+                step_in = d_p * b(1 - dampening) if flags["any_dampening"] else d_p
+                if all_active and not self._without_buffer:
+                    new_buf = buf.mul_(b(momentum)).add_(step_in)
+                else:
+                    # torch starts a member's buffer as a copy of its first gradient.
+                    decayed = buf * b(momentum) + step_in
+                    new_buf = torch.where(b(self.has_buffer), decayed, d_p)
+                    self._commit(buf, new_buf, b(active), all_active)
                 if flags["all_nesterov"]:
-                    d_p = d_p + b(momentum) * new_buf
+                    d_p = d_p.addcmul_(new_buf, b(momentum))
                 elif flags["any_nesterov"]:
                     d_p = torch.where(b(self.hp["nesterov"] != 0), d_p + b(momentum) * new_buf, new_buf)
                 else:
                     d_p = new_buf
-                self._commit(buf, new_buf, live, all_active)
-            self._commit(p, p - b(lr) * d_p, live, all_active)
+            if all_active:
+                p.addcmul_(d_p, b(neg_lr))
+            else:
+                self._commit(p, p + d_p * b(neg_lr), b(active), all_active)
 
     def _adam(self, lr: torch.Tensor, active: torch.Tensor, all_active: bool) -> None:
         flags = self._hp_flags()
@@ -243,27 +251,41 @@ class StackedOptimizer:
         if not all_active:  # members that have never stepped would divide by zero
             bias1 = torch.where(active, bias1, torch.ones_like(bias1))
             bias2_sqrt = torch.where(active, bias2_sqrt, torch.ones_like(bias2_sqrt))
-        step_size = lr / bias1
+        neg_step_size = -lr / bias1
         decoupled = self.family == "adamw"
         for name, p in self.params.items():
             if p.grad is None:
                 continue
             def b(v: torch.Tensor) -> torch.Tensor:
                 return _per_member(v, p)
+            grad = p.grad
+            exp_avg, exp_avg_sq = self.state[name]["exp_avg"], self.state[name]["exp_avg_sq"]
+            if all_active:
+                # In place: the out-of-place form below was ~15 full passes per
+                # parameter, 55% of a K=64 step (measured against chorus-torch).
+                if flags["any_wd"]:
+                    if decoupled:
+                        p.mul_(b(1 - lr * wd))
+                    else:
+                        grad = grad.addcmul_(p, b(wd))
+                exp_avg.lerp_(grad, b(1 - beta1))
+                exp_avg_sq.mul_(b(beta2)).addcmul_(grad * b(1 - beta2), grad)
+                denom = exp_avg_sq.sqrt().div_(b(bias2_sqrt)).add_(b(eps))
+                p.addcdiv_(exp_avg * b(neg_step_size), denom)
+                continue
             live = b(active)
-            grad, param = p.grad, p
+            param = p
             if flags["any_wd"]:
                 if decoupled:
                     param = p * b(1 - lr * wd)
                 else:
                     grad = grad + b(wd) * p
-            exp_avg, exp_avg_sq = self.state[name]["exp_avg"], self.state[name]["exp_avg_sq"]
             new_avg = exp_avg.lerp(grad, b(1 - beta1).expand_as(grad))
             new_sq = exp_avg_sq * b(beta2) + b(1 - beta2) * grad * grad
             denom = new_sq.sqrt() / b(bias2_sqrt) + b(eps)
             self._commit(exp_avg, new_avg, live, all_active)
             self._commit(exp_avg_sq, new_sq, live, all_active)
-            self._commit(p, param - b(step_size) * new_avg / denom, live, all_active)
+            self._commit(p, param + b(neg_step_size) * new_avg / denom, live, all_active)
 
 
 def build_torch_optimizer(family: str, params, hp: dict[str, Any]) -> torch.optim.Optimizer:

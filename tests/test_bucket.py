@@ -106,11 +106,14 @@ def test_diverging_member_leaves_the_others_bit_for_bit_unchanged():
     # squared error with lr=1e6 overflows to inf, then inf - inf = NaN
     task = regression_task(iteration_steps=10)
     healthy = [dict(lr=0.001, seed=1), dict(lr=0.002, momentum=0.9, seed=2), dict(lr=0.003, seed=3)]
+    # Same shapes and the same code path on both sides: the only difference is
+    # whether slot 3 holds a diverging member or a sane one.
     with_nan, without = ct.Bucket(task, 4, route="vmap"), ct.Bucket(task, 4, route="vmap")
     for c in healthy:
         with_nan.add(c)
         without.add(c)
     bad = with_nan.add(dict(lr=1e6, seed=4))
+    without.add(dict(lr=0.001, seed=4))
     for _ in range(3):
         results = with_nan.run_iteration()
         without.run_iteration()
@@ -119,6 +122,23 @@ def test_diverging_member_leaves_the_others_bit_for_bit_unchanged():
         assert math.isfinite(results[slot]["val_loss"])
         for a, b in zip(stack_rows(with_nan, slot), stack_rows(without, slot)):
             assert torch.equal(a, b)
+        for a, b in zip(optimizer_rows(with_nan, slot), optimizer_rows(without, slot)):
+            assert torch.equal(a, b)
+
+
+def test_diverging_member_among_empty_slots_harms_nobody():
+    task = regression_task(iteration_steps=10)
+    healthy = dict(lr=0.002, momentum=0.9, seed=2)
+    with_nan, without = ct.Bucket(task, 3, route="vmap"), ct.Bucket(task, 3, route="vmap")
+    with_nan.add(healthy)
+    without.add(healthy)
+    bad = with_nan.add(dict(lr=1e6, seed=4))
+    for _ in range(3):
+        with_nan.run_iteration()
+        without.run_iteration()
+    assert not torch.isfinite(stack_rows(with_nan, bad)[0]).all()
+    for a, b in zip(stack_rows(with_nan, 0), stack_rows(without, 0)):
+        assert torch.equal(a, b)
 
 
 def test_per_instance_behaviour_is_caught_and_runs_eager_correctly():
