@@ -26,3 +26,20 @@ test: setup
 
 clean:
 	rm -rf $(VENV) *.egg-info
+
+# chorus-torch 0.1.0 declares Python 3.13 but imports on 3.11: it goes into a
+# folder of its own that only benchmarks/vs_chorus.py puts on sys.path, never
+# into the package's dependencies.
+CHORUS_TORCH_SITE := .bench-venv/site
+
+$(CHORUS_TORCH_SITE)/chorus/__init__.py: $(BIN)/python
+	$(BIN)/pip install $(PIP_FLAGS) --no-deps --ignore-requires-python --upgrade --target $(CHORUS_TORCH_SITE) chorus-torch==0.1.0
+
+.PHONY: bench-chorus bench-step
+bench-chorus: setup $(CHORUS_TORCH_SITE)/chorus/__init__.py
+	mkdir -p benchmarks/results
+	$(BIN)/python benchmarks/vs_chorus.py --threads 1 --json benchmarks/results/vs_chorus.json
+
+bench-step: setup
+	mkdir -p benchmarks/results
+	$(BIN)/python benchmarks/fused_step.py --json benchmarks/results/fused_step.json
