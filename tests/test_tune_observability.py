@@ -23,33 +23,33 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     port = _free_port()
-    start_ray(num_cpus=2, include_dashboard=True, _metrics_export_port=port,
-              _system_config={"metrics_report_interval_ms": 1000})
+    context = start_ray(num_cpus=2, include_dashboard=True, _metrics_export_port=port,
+                        _system_config={"metrics_report_interval_ms": 1000})
     # idle_close_s keeps the bucket alive after the sweep, to be inspected.
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, idle_close_s=120.0)
     results = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.1])},
                          tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
                          run_config=run_config(tmp_path_factory.mktemp("obs"), 3)).fit()
-    yield port, results
+    yield port, results, f"http://{context.dashboard_url}"
     ray.shutdown()
 
 
 def test_buckets_are_named_actors_whose_repr_shows_model_and_slots(sweep):
-    _, results = sweep
+    _, results, dashboard = sweep
     bucket = results[0].metrics["chorus/bucket"]
-    actors = list_actors(filters=[("class_name", "=", "ChorusBucket")], detail=True)
+    actors = list_actors(address=dashboard, filters=[("class_name", "=", "ChorusBucket")], detail=True)
     ours = [a for a in actors if a.name == bucket]
     assert len(ours) == 1 and ours[0].state == "ALIVE"
     assert "Sequential" in ours[0].repr_name and "/4 live" in ours[0].repr_name
 
 
 def test_trial_actors_show_as_chorus_trainable(sweep):
-    actors = list_actors(filters=[("class_name", "=", "ChorusTrainable")], detail=False)
+    actors = list_actors(address=sweep[2], filters=[("class_name", "=", "ChorusTrainable")], detail=False)
     assert len(actors) >= 2
 
 
 def test_bucket_metrics_reach_the_metrics_endpoint(sweep):
-    port, results = sweep
+    port, results, _ = sweep
     bucket = results[0].metrics["chorus/bucket"]
     wanted = ["ray_chorus_live_members", "ray_chorus_fused_steps", "ray_chorus_samples_per_second",
               "ray_chorus_step_time_seconds", "ray_chorus_route"]

@@ -48,11 +48,12 @@ def run_config(tmp_path, iterations: int, **kwargs) -> tune.RunConfig:
                           **kwargs)
 
 
-def start_ray(**kwargs) -> None:
+def start_ray(**kwargs):
+    """A fresh local Ray instance of our own (other Ray instances may run on the machine)."""
     if ray.is_initialized():
         ray.shutdown()
-    ray.init(num_cpus=kwargs.pop("num_cpus", 2), include_dashboard=kwargs.pop("include_dashboard", False),
-             configure_logging=False, **kwargs)
+    return ray.init(address="local", num_cpus=kwargs.pop("num_cpus", 2),
+                    include_dashboard=kwargs.pop("include_dashboard", False), configure_logging=False, **kwargs)
 
 
 def history(result, metric: str = "val_loss") -> list[float]:
