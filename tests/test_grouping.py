@@ -132,3 +132,12 @@ def test_a_compacted_bucket_compacts_again_only_after_halving_again():
     cap = live  # compacted to its live members
     assert not should_compact(cap, 5, 0)
     assert should_compact(cap, 4, 0)
+
+
+def test_pure_policy_modules_do_not_import_ray():
+    import subprocess
+    import sys
+
+    code = ("import sys, chorus_tune.tune.grouping, chorus_tune.tune.halving; "
+            "sys.exit(1 if 'ray' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
