@@ -135,3 +135,22 @@ def test_reuse_actors_resets_into_new_members(tmp_path):
 def test_retire_trial_is_idempotent_and_safe_for_unknown_trials():
     retire_trial("never-joined-00000")
     retire_trial("never-joined-00000")
+
+
+def test_bucket_compacts_as_members_finish_and_the_survivor_stays_on_its_trajectory(tmp_path):
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=4)
+    tuner = tune.Tuner(
+        trainable, param_space={"epochs": tune.grid_search([1, 1, 2, 4]), "lr": 0.1, "seed": 6},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0,
+                                  stop=lambda trial_id, result: result["training_iteration"]
+                                  >= result["config"]["epochs"]))
+    results = tuner.fit()
+    assert not results.errors
+    survivor = next(r for r in results if r.config["epochs"] == 4)
+    frame = survivor.metrics_dataframe.sort_values("training_iteration")
+    assert frame["chorus/capacity"].iloc[0] == 4 and frame["chorus/capacity"].iloc[-1] < 4
+    assert frame["chorus/compactions"].iloc[-1] >= 1
+    expected, _ = reference.train(task, {"lr": 0.1, "seed": 6, "epochs": 4}, seed=6, iterations=4)
+    assert history(survivor) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)

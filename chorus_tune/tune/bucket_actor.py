@@ -74,6 +74,7 @@ class ChorusBucket:
         self.reaped: list[str] = []
         self.ever: list[str] = []
         self.iterations = 0
+        self.compactions = 0
         self._waiters: dict[str, asyncio.Future] = {}
         self._running = False
         self._lock: asyncio.Lock | None = None
@@ -233,6 +234,27 @@ class ChorusBucket:
         self.slots[member] = slot
         self.metrics.members(self.live, self.core.capacity)
 
+    async def compact(self) -> int | None:
+        """Shrink to the live members between iterations (issue 4): finished
+        slots stop costing compute. Refused (``None``) while a member is
+        reserved but not joined, or parked: each of those needs a slot.
+        Returns the new capacity."""
+        self._start()
+        members = set(self.lockstep.expected) | set(self.parked)
+        if not self.slots or set(self.slots) != members or self.parked:
+            return None
+        async with self._lock:
+            if set(self.slots) != set(self.lockstep.expected) or self.parked:
+                return None
+            remap = await self._in_thread(self.core.compact)
+            self.slots = {m: remap[slot] for m, slot in self.slots.items()}
+            self.lockstep.capacity = self.core.capacity
+            self.compactions += 1
+        logger.info("%s: compacted to %d slots", self.name, self.core.capacity)
+        self.metrics.compacted(self.live, self.core.capacity)
+        self._schedule()
+        return self.core.capacity
+
     # ----- the lockstep iteration -----------------------------------------------------------------
     def _schedule(self) -> None:
         if self._running or self._lock is None:
@@ -296,7 +318,8 @@ class ChorusBucket:
             metrics = dict(out[slot])
             route, seed = metrics.pop("route", self.core.route), metrics.pop("seed", None)
             result = {**metrics, "chorus/bucket": self.name, "chorus/slot": slot, "chorus/route": route,
-                      "chorus/live": len(out), "chorus/seed": seed, "chorus/cohort": cohort_json}
+                      "chorus/live": len(out), "chorus/seed": seed, "chorus/cohort": cohort_json,
+                      "chorus/capacity": self.core.capacity, "chorus/compactions": self.compactions}
             self.last_metrics[m] = result
             waiter.set_result(result)
         steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
@@ -369,6 +392,7 @@ class ChorusBucket:
             "members": {m: s for m, s in self.slots.items()}, "parked": list(self.parked),
             "expected": self.lockstep.expected, "ever": list(self.ever), "reaped": list(self.reaped),
             "route": self.core.route, "iterations": self.iterations, "fused_steps": self.core.fused_steps,
+            "compactions": self.compactions,
         }
 
     async def wait_closed(self) -> None:

@@ -22,9 +22,11 @@ class BucketMetrics:
                                    tag_keys=_TAGS)
         self.step_time = Gauge("chorus_step_time_seconds", "Seconds per fused step, last iteration.",
                                tag_keys=_TAGS)
+        self.compactions = Counter("chorus_compactions", "Times the bucket shrank to its live members.",
+                                   tag_keys=_TAGS)
         self.route = Gauge("chorus_route", "1 for the route the bucket runs (vmap or eager).",
                            tag_keys=_TAGS + ("route",))
-        for metric in (self.live, self.capacity, self.fused_steps, self.iterations,
+        for metric in (self.live, self.capacity, self.fused_steps, self.iterations, self.compactions,
                        self.samples_per_s, self.step_time):
             metric.set_default_tags(tags)
         self._tags = tags
@@ -32,6 +34,10 @@ class BucketMetrics:
     def members(self, live: int, capacity: int) -> None:
         self.live.set(live)
         self.capacity.set(capacity)
+
+    def compacted(self, live: int, capacity: int) -> None:
+        self.compactions.inc()
+        self.members(live, capacity)
 
     def iteration(self, steps: int, samples: int, seconds: float, route: str | None) -> None:
         self.iterations.inc()

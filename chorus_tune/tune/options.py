@@ -23,7 +23,9 @@ class BucketOptions:
     waiting bucket checks that missing members' trial actors are alive.
     ``idle_close_s``: an empty bucket is closed after this long (at once if a
     waiting trial needs its resources). ``max_buckets``: at most this many
-    buckets at once (``None``: as many as the resources hold).
+    buckets at once (``None``: as many as the resources hold). ``compact``:
+    a bucket whose live members fall to half its slots or fewer, with no trial
+    of its key waiting, shrinks to them (finished slots stop costing compute).
     """
 
     bucket_size: int = 16
@@ -35,6 +37,7 @@ class BucketOptions:
     reap_interval_s: float = 0.5
     idle_close_s: float = 5.0
     max_buckets: int | None = None
+    compact: bool = True
 
     def __post_init__(self) -> None:
         if self.bucket_size < 1:

@@ -74,6 +74,10 @@ class Placement:
         """Free slots in the open buckets of ``key`` (a new bucket may add more)."""
         return sum(b.free for b in self.buckets.values() if b.key == key)
 
+    def waiting_for(self, key: Hashable) -> int:
+        """Trials of ``key`` queued for a slot."""
+        return sum(1 for k, _ in self._waiting.values() if k == key)
+
     def can_open(self) -> bool:
         return self.max_buckets is None or len(self.buckets) < self.max_buckets
 

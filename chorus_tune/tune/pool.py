@@ -59,6 +59,7 @@ class ChorusPool:
         self.clients: dict[str, Any] = {}
         self.history: dict[str, dict] = {}
         self._waiting: dict[str, asyncio.Future] = {}
+        self.announced: dict[Hashable, int] = {}  # structural key -> trials a searcher holds back
         self._started = False
 
     def _start(self) -> None:
@@ -165,6 +166,37 @@ class ChorusPool:
             except RayActorError:
                 pass  # the bucket died: its death watch cleans up
         await self._apply(update)
+        if name is not None:
+            await self._maybe_compact(name)
+
+    async def set_waiting(self, counts: dict) -> None:
+        """How many trials of each structural key a searcher holds back (ChorusSearch):
+        a bucket that one of them would refill is not compacted."""
+        self.announced = dict(counts)
+
+    async def _maybe_compact(self, name: str) -> None:
+        try:
+            from .grouping import should_compact
+        except ImportError:  # the rule lives with ChorusSearch (issue 4)
+            return
+        record = self.placement.buckets.get(name) if self.placement else None
+        handle = self.handles.get(name)
+        if record is None or handle is None:
+            return
+        if not record.key[1].compact:
+            return
+        skey = record.key[2]
+        waiting = self.announced.get(skey, 0) + self.placement.waiting_for(record.key)
+        if not should_compact(record.capacity, len(record.members), waiting):
+            return
+        try:
+            capacity = await handle.compact.remote()
+        except RayActorError:
+            return
+        if capacity is not None and name in self.placement.buckets:
+            self.placement.buckets[name].capacity = capacity
+            self.history[name]["capacity"] = capacity
+            self.history[name]["compactions"] = self.history[name].get("compactions", 0) + 1
 
     async def bucket_failed(self, name: str) -> None:
         """A trainable saw bucket ``name`` die: forget it now (its death watch may be later)."""
@@ -287,6 +319,16 @@ def retire_trial(trial_id: str, timeout_s: float = 60.0) -> None:
     pool = get_pool(create=False)
     if pool is not None:
         ray.get(pool.leave.remote(trial_id), timeout=timeout_s)
+
+
+def set_waiting(counts: dict) -> None:
+    """Tell this run's pool how many trials of each structural key are held back
+    by a searcher (a bucket they would refill is not compacted)."""
+    if not ray.is_initialized():
+        return
+    pool = get_pool(create=False)
+    if pool is not None:
+        pool.set_waiting.remote(dict(counts))
 
 
 def free_slots(structural_key: Hashable) -> int:

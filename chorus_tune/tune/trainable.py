@@ -41,7 +41,7 @@ class ChorusTrainable(Trainable):
     ``task`` class attribute. Class attributes (and ``for_task`` keywords):
     ``bucket_size``, ``resources_per_bucket``, ``route``, ``gather_s``,
     ``park_after_s``, ``lockstep_timeout_s``, ``reap_interval_s``,
-    ``idle_close_s``, ``max_buckets`` (see :class:`BucketOptions`).
+    ``idle_close_s``, ``max_buckets``, ``compact`` (see :class:`BucketOptions`).
 
     Every result carries the member's metrics (``train_loss``, ``val_loss``,
     ``val_accuracy``, ``iteration``) and ``chorus/bucket``, ``chorus/slot``,
@@ -60,6 +60,7 @@ class ChorusTrainable(Trainable):
     reap_interval_s: float = 0.5
     idle_close_s: float = 5.0
     max_buckets: int | None = None
+    compact: bool = True
 
     _task_blob: bytes | None = None
     _factory_blob: bytes | None = None
@@ -94,7 +95,7 @@ class ChorusTrainable(Trainable):
             bucket_size=cls.bucket_size, resources_per_bucket=BucketOptions.resources(cls.resources_per_bucket),
             route=cls.route, gather_s=cls.gather_s, park_after_s=cls.park_after_s,
             lockstep_timeout_s=cls.lockstep_timeout_s, reap_interval_s=cls.reap_interval_s,
-            idle_close_s=cls.idle_close_s, max_buckets=cls.max_buckets,
+            idle_close_s=cls.idle_close_s, max_buckets=cls.max_buckets, compact=cls.compact,
         )
 
     @classmethod
