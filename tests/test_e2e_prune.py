@@ -30,7 +30,8 @@ def sweep(tmp_path_factory):
     from chorus_tune.tune.search import ChorusSearch
     from tune_support import digits_task
 
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    # address="local": a Ray instance of our own (others may run on this machine)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     task = digits_task()
     trainable = ChorusTrainable.for_task(task, bucket_size=BUCKET, max_buckets=MAX_BUCKETS,
                                          gather_s=2.0, park_after_s=None)

