@@ -111,3 +111,18 @@ def test_freed_slots_are_refilled_with_waiting_trials(sweep):
     for tid, _, r in _results(recorder):
         hosted[r["chorus/bucket"]].add(tid)
     assert any(len(trials) > BUCKET for trials in hosted.values())
+
+
+def test_buckets_compact_but_only_once_no_trial_is_left_to_start(sweep):
+    _, _, recorder = sweep
+    events = _results(recorder)
+    first_result = {}
+    for i, (tid, _, _) in enumerate(events):
+        first_result.setdefault(tid, i)
+    last_start = max(first_result.values())
+    compacted = [i for i, (_, _, r) in enumerate(events) if r.get("chorus/compactions", 0) > 0]
+    assert compacted, "no bucket compacted"
+    # while a trial was still to join, a pruned bucket was refilled, not shrunk
+    assert min(compacted) > last_start
+    assert all(r["chorus/capacity"] < BUCKET for _, _, r in events[min(compacted):]
+               if r.get("chorus/compactions", 0) > 0)

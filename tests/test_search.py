@@ -132,10 +132,21 @@ def test_finishes_when_the_inner_searcher_does():
     assert [type(s.suggest(f"t{i}")) for i in range(3)] == [dict, dict, str]
 
 
-def test_lookahead_limits_suggestions_pulled_ahead():
+def test_lookahead_is_how_many_suggestions_wait_in_the_buffer():
     s = _search(widths="AB", bucket_size=4, lookahead=3)
     s.suggest("t0")
-    assert len(s.searcher.suggested) == 3
+    assert len(s.book.waiting) == 3 and len(s.searcher.suggested) == 4
+
+
+def test_buffer_is_kept_topped_up_until_num_samples_is_reached():
+    s = _search(widths="A", bucket_size=2, num_samples=5, lookahead=2)
+    s.suggest("t0")
+    assert s.waiting_by_key() == {"A": 3}            # 2 held back + t0 not started
+    for t in ("t1", "t2", "t3"):
+        s.suggest(t)
+    assert len(s.book.waiting) == 1                  # only 5 in all: 4 out, 1 left
+    s.suggest("t4")
+    assert not s.book.waiting
 
 
 def test_a_config_whose_key_fails_starts_alone():
@@ -174,9 +185,23 @@ def test_waiting_counts_held_and_unstarted_trials_per_key():
     s = _search(widths="AB", bucket_size=2, max_buckets=1, lookahead=4)
     s.suggest("t0")
     s.suggest("t1")
-    assert s.waiting_by_key() == {"A": 2, "B": 2}
+    # released A, A (not started); held back B, B, A, B (topped up to 4)
+    assert s.waiting_by_key() == {"A": 3, "B": 3}
     s.on_trial_result("t0", {"m": 1})
-    assert s.waiting_by_key() == {"A": 1, "B": 2}
+    assert s.waiting_by_key() == {"A": 2, "B": 3}
+
+
+def test_every_change_is_announced_to_the_pool(monkeypatch):
+    import chorus_tune.tune.pool as pool
+
+    sent = []
+    monkeypatch.setattr(pool, "set_waiting", sent.append, raising=False)
+    s = _search(widths="A", bucket_size=2, num_samples=2, lookahead=1)
+    s.suggest("t0")
+    s.suggest("t1")
+    s.on_trial_result("t0", {"m": 1})
+    s.on_trial_result("t1", {"m": 1})
+    assert sent == [{"A": 2}, {"A": 2}, {"A": 1}, {}]
 
 
 def test_save_and_restore_keep_buffer_and_id_maps(tmp_path):

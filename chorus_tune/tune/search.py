@@ -14,6 +14,7 @@ import uuid
 from typing import Any, Callable, Dict, Hashable, List, Optional, Union
 
 import numpy as np
+import ray
 import ray.cloudpickle as cloudpickle
 from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.variant_generator import generate_variants
@@ -112,9 +113,13 @@ class ChorusSearch(ConcurrencyLimiter):
             with a model-based searcher, so it is asked only as fast as slots
             free up. (Use this, not ``TuneConfig(max_concurrent_trials=...)``:
             Tune refuses both.)
-        lookahead: how many suggestions may wait in the buffer (default
-            ``bucket_size``). Pulled ahead only when no waiting suggestion
-            fits a free slot; raise it when the space mixes structures.
+        lookahead: how many suggestions wait in the buffer (default
+            ``bucket_size``), kept topped up while ``num_samples`` lasts: the
+            pool then knows trials of a key are coming and refills a pruned
+            bucket instead of compacting it. Raise it when the space mixes
+            structures (more choice to fill a bucket with); lower it to keep
+            a model-based searcher more adaptive (it is asked that many
+            suggestions ahead of the results).
         task: what decides the structural key: a ``chorus_tune.Task``, or a
             ChorusTrainable class (``ChorusTrainable.for_task(...)`` or a
             subclass with ``task``). Needed because a Searcher never sees the
@@ -159,7 +164,7 @@ class ChorusSearch(ConcurrencyLimiter):
         self._inner_id: Dict[str, str] = {}    # Tune trial id -> inner id
         self._key_of: Dict[str, Hashable] = {}  # Tune trial id -> structural key
         self._unstarted: Dict[str, Hashable] = {}  # released, no result yet
-        self._published: Optional[Dict] = None
+        self._pool_ready = False  # this process made sure the pool exists
 
     # -- Tune's side ---------------------------------------------------------
     def set_search_properties(
@@ -189,6 +194,7 @@ class ChorusSearch(ConcurrencyLimiter):
         self._unstarted[trial_id] = waiting.key
         self.live_trials.add(trial_id)
         self.num_unfinished_live_trials += 1
+        self._top_up()
         self._publish()
         return copy.deepcopy(waiting.config)
 
@@ -255,6 +261,18 @@ class ChorusSearch(ConcurrencyLimiter):
             if self._pull() is None:
                 busy = True
 
+    def _top_up(self) -> None:
+        """Keep ``lookahead`` suggestions waiting while the budget lasts.
+
+        So that the pool knows trials of a key are still coming: a bucket
+        whose members were just pruned is then refilled, not compacted (the
+        STOP retires members before Tune asks for the refill).
+        """
+        while (not self._exhausted and not self._budget_spent()
+               and len(self._book.waiting) < self.lookahead):
+            if self._pull() is None:
+                return
+
     def _pull(self) -> Optional[bool]:
         """One suggestion from the inner searcher into the buffer.
 
@@ -285,25 +303,30 @@ class ChorusSearch(ConcurrencyLimiter):
     def _publish(self) -> None:
         """Tell the pool how many trials of each key are on their way.
 
-        The pool's compaction rule must not shrink a bucket that a waiting
-        trial would refill. Guarded: a pool without ``set_waiting`` (or no
-        pool at all) simply does not get the numbers.
+        The pool's compaction rule (``grouping.should_compact``) must not
+        shrink a bucket that a waiting trial would refill. Sent on every
+        change (a release, a first result, a completion): the pool may not
+        exist yet when the first trials are released. Guarded: without a pool
+        module (or a pool) nobody needs the numbers.
         """
         counts = {k: v for k, v in self.waiting_by_key().items() if v}
-        if counts == self._published:
-            return
         try:
-            from chorus_tune.tune.pool import set_waiting
+            from chorus_tune.tune.pool import get_pool, set_waiting
         except ImportError:
             return
         try:
+            if self._task is not None and not self._pool_ready and ray.is_initialized():
+                # A chorus sweep: start the pool now, so it hears the counts
+                # before the first cohort is pruned (ChorusASHA retires
+                # members before Tune tells the search about that result).
+                get_pool(create=True)
+                self._pool_ready = True
             set_waiting(counts)
-            self._published = counts
         except Exception:
             logger.debug("pool.set_waiting failed", exc_info=True)
 
     # -- save / restore ------------------------------------------------------
-    _NOT_SAVED = ("searcher", "_task", "_key_fn", "_published")
+    _NOT_SAVED = ("searcher", "_task", "_key_fn", "_pool_ready")
 
     def get_state(self) -> Dict:
         state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_SAVED}
@@ -311,7 +334,7 @@ class ChorusSearch(ConcurrencyLimiter):
 
     def set_state(self, state: Dict) -> None:
         self.__dict__.update(state)
-        self._published = None
+        self._pool_ready = False
 
     def save(self, checkpoint_path: str) -> None:
         """Buffer, id maps and the inner searcher's own state, in one file."""
