@@ -18,3 +18,10 @@ def test_core_modules_never_import_ray():
     core = pathlib.Path(chorus_tune.__file__).parent
     offenders = [p.name for p in core.glob("*.py") if "import ray" in p.read_text() or "from ray" in p.read_text()]
     assert offenders == []
+
+
+def test_a_trial_actor_importing_the_trainable_does_not_load_torch():
+    # Trial actors hold no tensors; torch would cost each of them ~2 s and ~150 MB.
+    code = ("import sys, chorus_tune.tune.trainable; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
