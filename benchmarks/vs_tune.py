@@ -122,7 +122,7 @@ def run_chorus(task: ct.Task, space: dict, args) -> Outcome:
 
     from chorus_tune import ChorusASHA, ChorusSearch, ChorusTrainable
 
-    trainable = ChorusTrainable.for_task(task, bucket_size=args.bucket_size)
+    trainable = ChorusTrainable.for_task(task, bucket_size=args.bucket_size, max_buckets=args.max_buckets)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as storage:
         tuner = tune.Tuner(
@@ -192,6 +192,8 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=10)
     parser.add_argument("--bucket-size", type=int, default=16)
+    parser.add_argument("--max-buckets", type=int, default=None,
+                        help="(b): buckets at once (default: as many as the resources hold)")
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--reduction-factor", type=float, default=4)
     parser.add_argument("--repeats", type=int, default=2)
@@ -204,7 +206,9 @@ def main() -> None:
     import ray
 
     model_factory, data_factory = workloads.WORKLOADS[args.workload]
-    task = ct.Task(model_factory(), data_factory(), optimizer="sgd", batch_size=args.batch_size)
+    # Data as a callable: it is built inside each bucket (and each plain trial),
+    # so it never travels inside the trainable class to every trial actor.
+    task = ct.Task(model_factory(), data_factory, optimizer="sgd", batch_size=args.batch_size)
     space = sweep(args.trials)
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     machine = (f"{platform.machine()} {os.cpu_count()} CPUs"
