@@ -169,6 +169,31 @@ def test_lockstep_wait_that_cannot_complete_fails_naming_the_missing_member():
         ray.get([pool.leave.remote("ghost-00001"), pool.leave.remote("alive-00001")])
 
 
+def test_a_member_that_stops_asking_is_parked_and_rejoins_unchanged():
+    # Tune may keep a stopped trial's actor for reuse without telling it: the
+    # bucket must not wait for such a member forever, nor lose its state.
+    task = digits_task()
+    blob = cloudpickle.dumps(task)
+    options = BucketOptions(bucket_size=2, gather_s=0.0, park_after_s=0.5, reap_interval_s=0.25, idle_close_s=0.5)
+    config_a, config_b = {"lr": 0.1, "seed": 1}, {"lr": 0.2, "seed": 2}
+    pool = get_pool(create=True)
+    _, bucket = ray.get(pool.reserve.remote("park-a", task_id(blob), blob, config_a, options, None))
+    ray.get(pool.reserve.remote("park-b", task_id(blob), blob, config_b, options, None))
+    try:
+        first = ray.get([bucket.step.remote("park-a", Join(config_a, 1)),
+                         bucket.step.remote("park-b", Join(config_b, 2))], timeout=60)
+        assert [r["chorus/live"] for r in first] == [2, 2]
+        second_a = ray.get(bucket.step.remote("park-a"), timeout=60)  # b does not ask: it is parked
+        assert second_a["chorus/live"] == 1
+        assert ray.get(bucket.describe.remote())["parked"] == ["park-b"]
+        second_b = ray.get(bucket.step.remote("park-b"), timeout=60)  # b comes back where it was
+        assert second_b["iteration"] == 2
+        expected, _ = reference.train(task, config_b, seed=2, iterations=2)
+        assert second_b["val_loss"] == pytest.approx(expected[-1]["val_loss"], rel=1e-5)
+    finally:
+        ray.get([pool.leave.remote("park-a"), pool.leave.remote("park-b")])
+
+
 def test_tuner_restore_resumes_unfinished_trials_in_fresh_buckets(tmp_path):
     address = ray.get_runtime_context().gcs_address
     env = {**os.environ, "TUNE_GLOBAL_CHECKPOINT_S": "0", "PYTHONPATH": HERE}

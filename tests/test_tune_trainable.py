@@ -139,7 +139,7 @@ def test_retire_trial_is_idempotent_and_safe_for_unknown_trials():
 
 def test_bucket_compacts_as_members_finish_and_the_survivor_stays_on_its_trajectory(tmp_path):
     task = digits_task()
-    trainable = ChorusTrainable.for_task(task, bucket_size=4)
+    trainable = ChorusTrainable.for_task(task, bucket_size=4, compact_after_s=0.0)
     tuner = tune.Tuner(
         trainable, param_space={"epochs": tune.grid_search([1, 1, 2, 4]), "lr": 0.1, "seed": 6},
         tune_config=tune.TuneConfig(metric="val_loss", mode="min"),

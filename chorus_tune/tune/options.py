@@ -25,7 +25,9 @@ class BucketOptions:
     waiting trial needs its resources). ``max_buckets``: at most this many
     buckets at once (``None``: as many as the resources hold). ``compact``:
     a bucket whose live members fall to half its slots or fewer, with no trial
-    of its key waiting, shrinks to them (finished slots stop costing compute).
+    of its key waiting, shrinks to them (finished slots stop costing compute),
+    ``compact_after_s`` after a member left (a trial reusing the leaver's actor
+    rejoins at once, and refills rather than finds the bucket shrunk).
     """
 
     bucket_size: int = 16
@@ -38,6 +40,7 @@ class BucketOptions:
     idle_close_s: float = 5.0
     max_buckets: int | None = None
     compact: bool = True
+    compact_after_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.bucket_size < 1:

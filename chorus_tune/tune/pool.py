@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "chorus_tune"
 NEED_TASK = "chorus/need-task"
+QUEUED = "chorus/queued"
 _JOB_POLL_S = 2.0
 
 
@@ -72,9 +73,13 @@ class ChorusPool:
                       options: BucketOptions, client: Any = None):
         """Place ``trial_id`` into a bucket of its structural key and reserve it a
         slot there; returns ``(bucket name, bucket handle)``, or ``NEED_TASK``
-        when the pool has not seen this task yet (call again with its bytes).
-        Waits while every bucket is busy and no new one fits. Raises what the
-        model factory raises for ``config``."""
+        when the pool has not seen this task yet (call again with its bytes),
+        or ``QUEUED`` while every bucket of its key is full and no new one fits
+        (then :meth:`await_placement`). Never waits for a slot: Tune calls this
+        from ``setup``/``reset_config``, and a trial blocked there holds Tune's
+        actor bookkeeping (a cached actor that would free the slot is only
+        released once the blocked trial starts). Raises what the model factory
+        raises for ``config``."""
         self._start()
         if task_id_ not in self.tasks:
             if task_blob is None:
@@ -98,12 +103,36 @@ class ChorusPool:
         self.clients[trial_id] = client
         placed = self.placement.request(trial_id, key, options.bucket_size)
         if placed is None:
-            future = asyncio.get_running_loop().create_future()
-            self._waiting[trial_id] = future
+            self._waiting[trial_id] = asyncio.get_running_loop().create_future()
             logger.info("pool: %s waits for a bucket (all %s in use)", trial_id, self.placement.max_buckets)
-            placed = await future
+            return QUEUED
         name = await self._realize(placed)
         return name, self.handles[name]
+
+    async def await_placement(self, trial_id: str):
+        """``(bucket name, handle)`` of a ``QUEUED`` trial, once it has a slot."""
+        future = self._waiting.get(trial_id)
+        if future is None:
+            name = None if self.placement is None else self.placement.bucket_of(trial_id)
+            if name is None or name not in self.handles:
+                raise RuntimeError(f"trial {trial_id} is neither placed nor waiting for a bucket")
+            return name, self.handles[name]
+        name = await future
+        return name, self.handles[name]
+
+    async def _realize_waiting(self, placed: Placed) -> None:
+        # The future stays findable until the bucket expects the trial.
+        future = self._waiting.get(placed.trial_id)
+        try:
+            name = await self._realize(placed)
+        except Exception as exc:  # noqa: BLE001 - the waiting trial hears of it
+            if future is not None and not future.done():
+                future.set_exception(exc)
+        else:
+            if future is not None and not future.done():
+                future.set_result(name)
+        if self._waiting.get(placed.trial_id) is future:
+            self._waiting.pop(placed.trial_id, None)
 
     async def _realize(self, placed: Placed) -> str:
         """Make a placement real: create the bucket actor if new, and have it expect the trial."""
@@ -167,14 +196,19 @@ class ChorusPool:
                 pass  # the bucket died: its death watch cleans up
         await self._apply(update)
         if name is not None:
-            await self._maybe_compact(name)
+            # Later, not now: a reset_config leaves and rejoins at once, and a
+            # bucket must not shrink under the trial that refills it.
+            record = self.placement.buckets.get(name)
+            delay = self.key_info[record.key][1].compact_after_s if record is not None else 0.0
+            asyncio.get_running_loop().create_task(self._maybe_compact(name, delay))
 
     async def set_waiting(self, counts: dict) -> None:
         """How many trials of each structural key a searcher holds back (ChorusSearch):
         a bucket that one of them would refill is not compacted."""
         self.announced = dict(counts)
 
-    async def _maybe_compact(self, name: str) -> None:
+    async def _maybe_compact(self, name: str, delay_s: float = 0.0) -> None:
+        await asyncio.sleep(delay_s)
         try:
             from .grouping import should_compact
         except ImportError:  # the rule lives with ChorusSearch (issue 4)
@@ -206,9 +240,7 @@ class ChorusPool:
         for name in update.closed:
             await self._close_actor(name)
         for placed in update.placed:
-            future = self._waiting.pop(placed.trial_id, None)
-            if future is not None and not future.done():
-                future.set_result(placed)
+            asyncio.get_running_loop().create_task(self._realize_waiting(placed))
         for name in update.idle:
             asyncio.get_running_loop().create_task(self._close_if_idle(name))
 

@@ -19,7 +19,7 @@ from ray.tune import Trainable
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from .options import BucketOptions, Join, member_seed
-from .pool import NEED_TASK, get_pool, task_id
+from .pool import NEED_TASK, QUEUED, get_pool, task_id
 from .resources import FALLBACK_TOKEN_CPU, default_bucket_resources, trial_token_cpu
 
 logger = logging.getLogger(__name__)
@@ -41,7 +41,7 @@ class ChorusTrainable(Trainable):
     ``task`` class attribute. Class attributes (and ``for_task`` keywords):
     ``bucket_size``, ``resources_per_bucket``, ``route``, ``gather_s``,
     ``park_after_s``, ``lockstep_timeout_s``, ``reap_interval_s``,
-    ``idle_close_s``, ``max_buckets``, ``compact`` (see :class:`BucketOptions`).
+    ``idle_close_s``, ``max_buckets``, ``compact``, ``compact_after_s`` (see :class:`BucketOptions`).
 
     Every result carries the member's metrics (``train_loss``, ``val_loss``,
     ``val_accuracy``, ``iteration``) and ``chorus/bucket``, ``chorus/slot``,
@@ -61,6 +61,7 @@ class ChorusTrainable(Trainable):
     idle_close_s: float = 5.0
     max_buckets: int | None = None
     compact: bool = True
+    compact_after_s: float = 1.0
 
     _task_blob: bytes | None = None
     _factory_blob: bytes | None = None
@@ -96,6 +97,7 @@ class ChorusTrainable(Trainable):
             route=cls.route, gather_s=cls.gather_s, park_after_s=cls.park_after_s,
             lockstep_timeout_s=cls.lockstep_timeout_s, reap_interval_s=cls.reap_interval_s,
             idle_close_s=cls.idle_close_s, max_buckets=cls.max_buckets, compact=cls.compact,
+            compact_after_s=cls.compact_after_s,
         )
 
     @classmethod
@@ -131,6 +133,10 @@ class ChorusTrainable(Trainable):
     def step(self) -> dict:
         if self._setup_error is not None:
             raise self._setup_error
+        if self._bucket is None:
+            # Queued at setup (every bucket of this structure full): wait here,
+            # where Tune expects a trial to take its time.
+            self._bucket_name, self._bucket = ray.get(get_pool(create=True).await_placement.remote(self._member))
         join = None
         if not self._joined:
             join = Join(config=self._clean(self.config), seed=self._seed, state=self._pending_state)
@@ -201,7 +207,8 @@ class ChorusTrainable(Trainable):
             # Raised from step(), so that Tune reports it as this trial's error.
             self._setup_error = exc
             return
-        self._bucket_name, self._bucket = reply
+        if reply != QUEUED:
+            self._bucket_name, self._bucket = reply
 
     def _leave(self) -> None:
         member, self._member = self._member, None
