@@ -17,7 +17,7 @@ from ray.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 from chorus_tune import reference
 from chorus_tune.tune import ChorusTrainable, bucket_stats
 from chorus_tune.tune.options import BucketOptions, Join
-from chorus_tune.tune.pool import NAMESPACE, get_pool, task_id
+from chorus_tune.tune.pool import NAMESPACE, get_pool, pool_name, task_id
 from tune_support import digits_task, history, run_config, start_ray
 
 HERE = os.path.dirname(__file__)
@@ -196,22 +196,32 @@ def test_a_member_that_stops_asking_is_parked_and_rejoins_unchanged():
 
 def test_tuner_restore_resumes_unfinished_trials_in_fresh_buckets(tmp_path):
     address = ray.get_runtime_context().gcs_address
-    env = {**os.environ, "TUNE_GLOBAL_CHECKPOINT_S": "0", "PYTHONPATH": HERE}
+    env = {**os.environ, "TUNE_GLOBAL_CHECKPOINT_S": "0", "PYTHONPATH": HERE, "CHORUS_TEST_DRIVER": "1"}
     driver = subprocess.Popen([sys.executable, os.path.join(HERE, "tune_restore_driver.py"), address,
                                str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                               env=env)
-    seen = 0
+    told, old_job = False, None
     try:
         for line in driver.stdout:
-            if line.startswith("RESULT"):
-                seen += 1
-                if seen >= 6:  # every trial has a checkpoint at iteration >= 1; none is done
-                    break
+            if line.startswith("JOB "):
+                old_job = line.split()[1]
+            if line.startswith("KILL ME"):  # six results in; every trial has a checkpoint, none is done
+                told = True
+                break
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
-    assert seen >= 6
-    time.sleep(3)  # let the dead job's pool close its buckets
+    assert told and old_job
+    # The dead driver's pool notices its job ended and goes, with its buckets.
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(pool_name(old_job), namespace=NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail(f"the pool of the killed driver's job {old_job} is still alive")
     from tune_restore_driver import make_trainable
 
     task = digits_task()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 
 import pytest
@@ -154,3 +155,41 @@ def test_bucket_compacts_as_members_finish_and_the_survivor_stays_on_its_traject
     assert frame["chorus/compactions"].iloc[-1] >= 1
     expected, _ = reference.train(task, {"lr": 0.1, "seed": 6, "epochs": 4}, seed=6, iterations=4)
     assert history(survivor) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)
+
+
+def _processes(prefix: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(prefix.encode()):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc")
+def test_trial_actors_load_no_torch_while_the_bucket_does(tmp_path):
+    class Inspect(tune.Callback):
+        seen = None
+
+        def on_trial_result(self, iteration, trials, trial, result, **info):
+            if self.seen is None:
+                self.seen = ({p: _maps_torch(p) for p in _processes("ray::ChorusTrainable")},
+                             {p: _maps_torch(p) for p in _processes("ray::ChorusBucket")})
+
+    inspect = Inspect()
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2)
+    tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.1, 0.2])},
+               tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+               run_config=run_config(tmp_path, 1, callbacks=[inspect])).fit()
+    trials, buckets = inspect.seen
+    assert trials and not any(trials.values())
+    assert buckets and all(buckets.values())
