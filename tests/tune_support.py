@@ -60,3 +60,9 @@ def history(result, metric: str = "val_loss") -> list[float]:
     """One value per reported iteration, in order."""
     frame = result.metrics_dataframe.sort_values("training_iteration")
     return frame[metric].tolist()
+
+
+def by_iteration(result, metric: str = "val_loss") -> dict[int, float]:
+    """``{training_iteration: value}`` of the reported results (the last report wins)."""
+    frame = result.metrics_dataframe.sort_values("training_iteration")
+    return dict(zip(frame["training_iteration"].astype(int), frame[metric]))
