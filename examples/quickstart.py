@@ -64,7 +64,7 @@ def main() -> None:
     for name, stats in sorted(bucket_stats().items()):
         fused = [t for t in stats["trials"] if t in ours]
         if fused:
-            print(f"  {name}: {stats['model']} x{stats['capacity']} slots, {len(fused)} trials fused")
+            print(f"  {name}: {stats['model']}, {stats['bucket_size']} slots, {len(fused)} trials fused")
     model = chorus_tune.load_model(best.checkpoint)
     print(f"load_model -> {type(model).__name__} with {sum(p.numel() for p in model.parameters())} parameters")
 

@@ -150,7 +150,8 @@ class ChorusPool:
                 **bucket_actor_options(resources),
             ).remote(name, self.blobs[tid], bucket_options, model_name, ray.get_runtime_context().current_actor)
             self.handles[name] = handle
-            self.history[name] = {"model": model_name, "capacity": record.capacity, "trials": record.ever,
+            self.history[name] = {"model": model_name, "bucket_size": record.capacity,
+                                  "capacity": record.capacity, "trials": record.ever,
                                   "closed": False, "reaped": []}
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
         await self.handles[name].expect.remote(placed.trial_id, self.clients.get(placed.trial_id))
@@ -310,7 +311,9 @@ class ChorusPool:
         return sum(r.free for r in self.placement.buckets.values() if r.key[2] == structural_key)
 
     async def stats(self) -> dict[str, dict]:
-        """Every bucket this pool opened: model, capacity, the trials it fused, open or closed."""
+        """Every bucket this pool opened: model, bucket_size, capacity (less after
+        compaction), the trials it fused (``trials``), its current members, and
+        whether it closed, died or reaped members."""
         out = {}
         for name, info in self.history.items():
             record = self.placement.buckets.get(name) if self.placement else None
