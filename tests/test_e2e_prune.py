@@ -33,8 +33,11 @@ def sweep(tmp_path_factory):
     # address="local": a Ray instance of our own (others may run on this machine)
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
     task = digits_task()
+    # compact_after_s=0: an epoch of digits takes milliseconds, so with the
+    # default 1 s delay the survivors can finish before a bucket compacts.
+    # ChorusSearch's waiting counts keep refills safe without the delay.
     trainable = ChorusTrainable.for_task(task, bucket_size=BUCKET, max_buckets=MAX_BUCKETS,
-                                         gather_s=2.0, park_after_s=None)
+                                         gather_s=2.0, park_after_s=None, compact_after_s=0.0)
     recorder = Recorder()
     tuner = tune.Tuner(
         trainable,

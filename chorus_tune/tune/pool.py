@@ -26,6 +26,7 @@ import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
+from .grouping import should_compact
 from .options import BucketOptions
 from .placement import Placed, Placement, Update
 from .resources import bucket_actor_options, bucket_budget, default_bucket_resources
@@ -206,14 +207,18 @@ class ChorusPool:
     async def set_waiting(self, counts: dict) -> None:
         """How many trials of each structural key a searcher holds back (ChorusSearch):
         a bucket that one of them would refill is not compacted."""
+        drained = {k for k, n in self.announced.items() if n > 0 and counts.get(k, 0) <= 0}
         self.announced = dict(counts)
+        # A bucket whose last leaver found trials still waiting was left as it
+        # was; once none wait, nothing else would ever look at it again.
+        if drained and self.placement is not None:
+            for name, record in list(self.placement.buckets.items()):
+                if record.key[2] in drained:
+                    delay = record.key[1].compact_after_s
+                    asyncio.get_running_loop().create_task(self._maybe_compact(name, delay))
 
     async def _maybe_compact(self, name: str, delay_s: float = 0.0) -> None:
         await asyncio.sleep(delay_s)
-        try:
-            from .grouping import should_compact
-        except ImportError:  # the rule lives with ChorusSearch (issue 4)
-            return
         record = self.placement.buckets.get(name) if self.placement else None
         handle = self.handles.get(name)
         if record is None or handle is None:
