@@ -130,6 +130,7 @@ def run_chorus(task: ct.Task, space: dict, args) -> Outcome:
             tune_config=tune.TuneConfig(
                 # With a Searcher, Tune's num_samples counts every trial (not passes over the grid).
                 metric=METRIC, mode=MODE, search_alg=ChorusSearch(task=trainable), num_samples=args.trials,
+                reuse_actors=True,  # as (a): a pruned trial's actor serves the next trial
                 scheduler=ChorusASHA(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor)),
             run_config=tune.RunConfig(storage_path=storage, stop={"training_iteration": args.epochs}, verbose=0),
         )
