@@ -1,4 +1,4 @@
-"""Every example runs, in its fast mode, as a user would start it."""
+"""Every example runs, in its fast mode, as a user would start it (the quickstart: test_tune_quickstart.py)."""
 from __future__ import annotations
 
 import pathlib
@@ -12,7 +12,6 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
 @pytest.mark.parametrize("script, expected", [
-    ("quickstart.py", "best val_accuracy"),
     ("optuna_search.py", "best val_loss"),
     ("pbt.py", "load_model -> Sequential"),
     ("cnn_batchnorm.py", "load_model -> DigitsCNN, eval mode: True"),
