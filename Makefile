@@ -19,7 +19,7 @@ $(VENV)/.installed: $(BIN)/python pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(BIN)/python examples/core_demo.py
+	$(BIN)/python examples/quickstart.py
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
