@@ -270,19 +270,20 @@ class Bucket:
         self.optimizer.step(lr, active, live)
         return member_losses
 
-    def _snapshot_buffers(self, slots: list[int]) -> dict[str, torch.Tensor] | None:
+    def _snapshot_buffers(self, slots: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
         # Forward passes update BatchNorm statistics of every row, empty ones too;
         # put the rows of inactive slots back so they stay frozen.
         if not slots or not self.stack.buffers:
             return None
-        self._frozen_rows = torch.tensor(slots, device=self.device)
-        return {n: b[self._frozen_rows].clone() for n, b in self.stack.buffers.items()}
+        rows = torch.tensor(slots, device=self.device)
+        return rows, {n: b[rows].clone() for n, b in self.stack.buffers.items()}
 
-    def _restore_buffers(self, frozen: dict[str, torch.Tensor] | None) -> None:
+    def _restore_buffers(self, frozen: tuple[torch.Tensor, dict[str, torch.Tensor]] | None) -> None:
         if frozen is None:
             return
-        for n, saved in frozen.items():
-            self.stack.buffers[n][self._frozen_rows] = saved
+        rows, saved = frozen
+        for n, values in saved.items():
+            self.stack.buffers[n][rows] = values
 
     @torch.no_grad()
     def _evaluate(self, live: list[int]) -> dict[str, list[float]]:
