@@ -102,7 +102,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 import chorus_tune as ct
-from chorus_tune.data import BatchOrder
+from chorus_tune.data import BatchOrder, SharedBatches
 from chorus_tune.examples_data import digits_split
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,11 +184,8 @@ class Theirs:
         train, val = task.load_data()
         self.xv, self.yv = (t.to(device) for t in val.tensors)
         if shared:
-            # Built like chorus_tune's SharedBatches (same seed, same batches).
-            generator = torch.Generator().manual_seed(int(task.data_seed))
-            self.loader = DataLoader(train, batch_size=task.batch_size, shuffle=True, drop_last=True,
-                                     generator=generator)
-            self._it = None
+            # chorus_tune's own shared stream: same seed, same batches as our bucket.
+            self.batches = SharedBatches(train, task.batch_size, task.data_seed)
             probe = train.x[:2]
         else:
             self.x, self.y = (t.to(device) for t in train.tensors)
@@ -210,14 +207,6 @@ class Theirs:
     def route(self) -> str:
         return f"{self.stack.mode}+{type(self.opt).__name__}"
 
-    def _next_shared(self):
-        if self._it is not None:
-            batch = next(self._it, None)
-            if batch is not None:
-                return batch
-        self._it = iter(self.loader)
-        return next(self._it)
-
     def run(self) -> None:
         chorus, stack, opt, device = self.chorus, self.stack, self.opt, self.device
         if not self.shared:
@@ -226,7 +215,7 @@ class Theirs:
         loss_sum = torch.zeros((), device=device)
         for s in range(self.steps):
             if self.shared:
-                x, y = self._next_shared()
+                x, y = self.batches.next()
                 inputs, target = x.to(device), y.to(device)
             else:
                 idx = index[s]
