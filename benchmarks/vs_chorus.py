@@ -99,7 +99,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
 import chorus_tune as ct
 from chorus_tune.data import BatchOrder, SharedBatches
