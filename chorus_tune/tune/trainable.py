@@ -9,6 +9,7 @@ lockstep iteration and returns this member's metrics.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -51,17 +52,18 @@ class ChorusTrainable(Trainable):
     """
 
     task: Any = None
-    bucket_size: int = 16
+    # Defaults come from BucketOptions, the one place that defines them.
+    bucket_size: int = BucketOptions.bucket_size
     resources_per_bucket: dict | None = None
-    route: str = "auto"
-    gather_s: float = 0.5
-    park_after_s: float | None = 2.0
-    lockstep_timeout_s: float = 600.0
-    reap_interval_s: float = 0.5
-    idle_close_s: float = 5.0
-    max_buckets: int | None = None
-    compact: bool = True
-    compact_after_s: float = 1.0
+    route: str = BucketOptions.route
+    gather_s: float = BucketOptions.gather_s
+    park_after_s: float | None = BucketOptions.park_after_s
+    lockstep_timeout_s: float = BucketOptions.lockstep_timeout_s
+    reap_interval_s: float = BucketOptions.reap_interval_s
+    idle_close_s: float = BucketOptions.idle_close_s
+    max_buckets: int | None = BucketOptions.max_buckets
+    compact: bool = BucketOptions.compact
+    compact_after_s: float = BucketOptions.compact_after_s
 
     _task_blob: bytes | None = None
     _factory_blob: bytes | None = None
@@ -92,13 +94,9 @@ class ChorusTrainable(Trainable):
 
     @classmethod
     def bucket_options(cls) -> BucketOptions:
-        return BucketOptions(
-            bucket_size=cls.bucket_size, resources_per_bucket=BucketOptions.resources(cls.resources_per_bucket),
-            route=cls.route, gather_s=cls.gather_s, park_after_s=cls.park_after_s,
-            lockstep_timeout_s=cls.lockstep_timeout_s, reap_interval_s=cls.reap_interval_s,
-            idle_close_s=cls.idle_close_s, max_buckets=cls.max_buckets, compact=cls.compact,
-            compact_after_s=cls.compact_after_s,
-        )
+        values = {f.name: getattr(cls, f.name) for f in dataclasses.fields(BucketOptions)}
+        values["resources_per_bucket"] = BucketOptions.resources(cls.resources_per_bucket)
+        return BucketOptions(**values)
 
     @classmethod
     def default_resource_request(cls, config: dict) -> PlacementGroupFactory:
