@@ -12,7 +12,7 @@ from torch import nn
 from . import losses
 from .data import BatchOrder, SharedBatches, eval_batches, first_batch
 from .optim import StackedOptimizer, hyperparameters, scheduled_lr
-from .stack import MemberStack, mean_loss
+from .stack import MemberStack, mean_loss, module_key
 from .task import Task, TensorSplit
 
 ROUTES = ("auto", "vmap", "eager")
@@ -120,7 +120,7 @@ class Bucket:
         module = self.task.build_model(config, seed)  # the factory's own error propagates
         if state is not None:
             module.load_state_dict(state["model"])
-        key = self.task.structural_key(config)
+        key = module_key(self.task, config, module)  # the model is built already: no second build
         if self.key is not None and key != self.key:
             raise ValueError(
                 f"config {config} does not share this bucket's structure ({self.model_name}): "
@@ -205,8 +205,7 @@ class Bucket:
         self._ensure_route(live)
         first = self.members[live[0]]
         steps = self.task.steps_per_iteration(first.config)
-        active = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
-        active[live] = True
+        active = self._active_mask(live)
         lr_table = self._lr_table(live, steps)
         index_table = self._index_table(live, steps)
         frozen = self._snapshot_buffers([k for k in range(self.capacity) if k not in live])
@@ -229,6 +228,11 @@ class Bucket:
                        "iteration": m.iteration, "route": self.route, "seed": m.seed}
             out[k] = metrics
         return out
+
+    def _active_mask(self, live: list[int]) -> torch.Tensor:
+        active = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        active[live] = True
+        return active
 
     def _lr_table(self, live: list[int], steps: int) -> torch.Tensor:
         table = torch.zeros(steps, self.capacity)
@@ -340,8 +344,7 @@ class Bucket:
     def _probe_step(self, route: str, live: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
         x, y = first_batch(self._train, self.task.batch_size_for(self.members[live[0]].config))
         x, y = x.to(self.device), y.to(self.device)
-        active = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
-        active[live] = True
+        active = self._active_mask(live)
         lr = torch.tensor([self.members[k].hp["lr"] if k in live else 0.0 for k in range(self.capacity)],
                           device=self.device)
         losses_ = self._train_step(x, y, True, lr, active, live, route).detach()

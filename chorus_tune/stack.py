@@ -34,6 +34,11 @@ def structural_key(task, config: dict) -> tuple:
         # Some factories cannot run on meta (they read data or call .item());
         # a real build gives the same shapes, or the factory's real error.
         module = task.build_model(config, seed=0)
+    return module_key(task, config, module)
+
+
+def module_key(task, config: dict, module: nn.Module) -> tuple:
+    """The structural key of ``config``, read off a model already built from it."""
     cls = type(module)
     loss = task.loss if isinstance(task.loss, str) else f"{task.loss.__module__}.{task.loss.__qualname__}"
     data = "static" if not callable(task.data) else f"{task.data.__module__}.{getattr(task.data, '__qualname__', '')}"
