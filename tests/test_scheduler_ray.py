@@ -17,13 +17,9 @@ from prune_support import Recorder, cohorts_at, reference_metric, replay  # noqa
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+from tune_support import local_ray  # noqa: E402,F401  (module-scoped Ray, autouse)
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    # address="local": a Ray instance of our own (others may run on this machine)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
+
 
 
 def _noisy(config):

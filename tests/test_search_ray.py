@@ -14,13 +14,9 @@ from chorus_tune.tune.search import ChorusSearch
 # Workers cannot import this test module: ship its functions by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
+from tune_support import local_ray  # noqa: E402,F401  (module-scoped Ray, autouse)
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    # address="local": a Ray instance of our own (others may run on this machine)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
+
 
 
 def _quadratic(config):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 import ray
 import ray.cloudpickle
 import torch
@@ -66,3 +67,12 @@ def by_iteration(result, metric: str = "val_loss") -> dict[int, float]:
     """``{training_iteration: value}`` of the reported results (the last report wins)."""
     frame = result.metrics_dataframe.sort_values("training_iteration")
     return dict(zip(frame["training_iteration"].astype(int), frame[metric]))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    """A Ray instance of the importing test module's own (address="local": other
+    Ray instances may run on this machine). Active in a module that imports it."""
+    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield
+    ray.shutdown()
