@@ -102,19 +102,26 @@ def run_plain(task: ct.Task, space: dict, args) -> Outcome:
     if device == "cuda":
         resources["gpu"] = 1.0 / args.gpu_trials
     trainable = tune.with_resources(tune.with_parameters(train_one, task=task), resources)
+    tune_config = tune.TuneConfig(
+        metric=METRIC, mode=MODE, reuse_actors=True,
+        scheduler=ASHAScheduler(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor))
+    return fit_timed("plain", trainable, tune_config, space, args)
+
+
+def fit_timed(way: str, trainable, tune_config, space: dict, args) -> Outcome:
+    """Time one ``Tuner.fit`` of the sweep (both Tune ways share everything but trainable and config)."""
+    from ray import tune
+
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as storage:
         tuner = tune.Tuner(
-            trainable, param_space=tune_space(space),
-            tune_config=tune.TuneConfig(metric=METRIC, mode=MODE, reuse_actors=True,
-                                        scheduler=ASHAScheduler(max_t=args.epochs, grace_period=1,
-                                                                reduction_factor=args.reduction_factor)),
+            trainable, param_space=tune_space(space), tune_config=tune_config,
             run_config=tune.RunConfig(storage_path=storage, stop={"training_iteration": args.epochs}, verbose=0),
         )
         results = tuner.fit()
     wall = time.perf_counter() - start
     best, reached = best_final(results, args.epochs)
-    return Outcome("plain", wall, len(results), best, reached)
+    return Outcome(way, wall, len(results), best, reached)
 
 
 def run_chorus(task: ct.Task, space: dict, args) -> Outcome:
@@ -123,21 +130,12 @@ def run_chorus(task: ct.Task, space: dict, args) -> Outcome:
     from chorus_tune import ChorusASHA, ChorusSearch, ChorusTrainable
 
     trainable = ChorusTrainable.for_task(task, bucket_size=args.bucket_size, max_buckets=args.max_buckets)
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as storage:
-        tuner = tune.Tuner(
-            trainable, param_space=tune_space(space),
-            tune_config=tune.TuneConfig(
-                # With a Searcher, Tune's num_samples counts every trial (not passes over the grid).
-                metric=METRIC, mode=MODE, search_alg=ChorusSearch(task=trainable), num_samples=args.trials,
-                reuse_actors=True,  # as (a): a pruned trial's actor serves the next trial
-                scheduler=ChorusASHA(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor)),
-            run_config=tune.RunConfig(storage_path=storage, stop={"training_iteration": args.epochs}, verbose=0),
-        )
-        results = tuner.fit()
-    wall = time.perf_counter() - start
-    best, reached = best_final(results, args.epochs)
-    return Outcome("chorus", wall, len(results), best, reached)
+    tune_config = tune.TuneConfig(
+        # With a Searcher, Tune's num_samples counts every trial (not passes over the grid).
+        metric=METRIC, mode=MODE, search_alg=ChorusSearch(task=trainable), num_samples=args.trials,
+        reuse_actors=True,  # as (a): a pruned trial's actor serves the next trial
+        scheduler=ChorusASHA(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor))
+    return fit_timed("chorus", trainable, tune_config, space, args)
 
 
 def run_fused(task: ct.Task, space: dict, args) -> Outcome:
