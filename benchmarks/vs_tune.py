@@ -17,11 +17,13 @@ written (JSON, PNG): median wall time, trials per minute, best final
 ``val_accuracy``, and the ratios (a)/(b) and (b)/(c).
 
     .venv/bin/python benchmarks/vs_tune.py --workload synth-mlp64 --trials 32 --epochs 10 --bucket-size 16
+    .venv/bin/python benchmarks/vs_tune.py --workload synth-mlp64,synth-mlp256 --bucket-size 8,16,32  # a matrix
     .venv/bin/python benchmarks/vs_tune.py --device cuda --workload cifar-cnn --trials 16 --epochs 3  # on a GPU
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -101,10 +103,13 @@ def run_plain(task: ct.Task, space: dict, args) -> Outcome:
     resources = {"cpu": 1}
     if device == "cuda":
         resources["gpu"] = 1.0 / args.gpu_trials
+    # The data is built once, here, and reaches every trial through the object
+    # store (tune.with_parameters), as a careful Tune user ships a dataset.
+    task = dataclasses.replace(task, data=task.data() if callable(task.data) else task.data)
     trainable = tune.with_resources(tune.with_parameters(train_one, task=task), resources)
-    tune_config = tune.TuneConfig(
-        metric=METRIC, mode=MODE, reuse_actors=True,
-        scheduler=ASHAScheduler(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor))
+    scheduler = (ASHAScheduler(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor)
+                 if args.scheduler == "asha" else None)
+    tune_config = tune.TuneConfig(metric=METRIC, mode=MODE, reuse_actors=True, scheduler=scheduler)
     return fit_timed("plain", trainable, tune_config, space, args)
 
 
@@ -134,14 +139,15 @@ def run_chorus(task: ct.Task, space: dict, args) -> Outcome:
         # With a Searcher, Tune's num_samples counts every trial (not passes over the grid).
         metric=METRIC, mode=MODE, search_alg=ChorusSearch(task=trainable), num_samples=args.trials,
         reuse_actors=True,  # as (a): a pruned trial's actor serves the next trial
-        scheduler=ChorusASHA(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor))
+        scheduler=(ChorusASHA(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor)
+                   if args.scheduler == "asha" else None))
     return fit_timed("chorus", trainable, tune_config, space, args)
 
 
 def run_fused(task: ct.Task, space: dict, args) -> Outcome:
     from chorus_tune.tune.halving import rung_milestones, select_survivors
 
-    rungs = set(rung_milestones(1, args.epochs, args.reduction_factor))
+    rungs = set(rung_milestones(1, args.epochs, args.reduction_factor)) if args.scheduler == "asha" else set()
     configs = configs_of(space)
     start = time.perf_counter()
     best, reached = float("nan"), 0
@@ -167,87 +173,124 @@ def run_fused(task: ct.Task, space: dict, args) -> Outcome:
     return Outcome("fused", wall, len(configs), best, reached)
 
 
-def plot(summary: dict, path: str) -> None:
+def plot(rows: list[dict], path: str) -> None:
+    """One group of bars (plain, chorus, fused median wall time) per workload and bucket size."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ways = [w for w in ("plain", "chorus", "fused") if w in summary["median_wall_s"]]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(ways, [summary["median_wall_s"][w] for w in ways], color=["#888", "#2a7", "#27a"][:len(ways)])
+    ways = [w for w in ("plain", "chorus", "fused") if w in rows[0]["median_wall_s"]]
+    colors = {"plain": "#888", "chorus": "#2a7", "fused": "#27a"}
+    width = 0.8 / len(ways)
+    fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 3.8))
+    for j, way in enumerate(ways):
+        xs = [i + (j - (len(ways) - 1) / 2) * width for i in range(len(rows))]
+        ax.bar(xs, [row["median_wall_s"][way] for row in rows], width, label=way, color=colors[way])
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels([f"{row['workload']}\nbucket {row['bucket_size']}" for row in rows], fontsize=7)
     ax.set_ylabel("wall time, s (median)")
-    ax.set_title(f"{summary['workload']}: {summary['trials']} trials x {summary['epochs']} epochs, "
-                 f"bucket {summary['bucket_size']}", fontsize=9)
-    for i, w in enumerate(ways):
-        ax.text(i, summary["median_wall_s"][w], f"{summary['median_wall_s'][w]:.1f}s", ha="center", va="bottom")
+    ax.set_title(f"{rows[0]['trials']} trials x {rows[0]['epochs']} epochs, {rows[0]['scheduler']}, "
+                 f"{rows[0]['machine']}", fontsize=9)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--workload", default="synth-mlp64", choices=sorted(workloads.WORKLOADS))
-    parser.add_argument("--trials", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=10)
-    parser.add_argument("--bucket-size", type=int, default=16)
-    parser.add_argument("--max-buckets", type=int, default=None,
-                        help="(b): buckets at once (default: as many as the resources hold)")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--reduction-factor", type=float, default=4)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--ways", default="plain,chorus,fused")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--gpu-trials", type=int, default=16, help="(a) on CUDA: trials sharing the GPU")
-    parser.add_argument("--out", default="benchmarks/results")
-    args = parser.parse_args()
-
-    import ray
-
-    model_factory, data_factory = workloads.WORKLOADS[args.workload]
-    # Data as a callable: it is built inside each bucket (and each plain trial),
-    # so it never travels inside the trainable class to every trial actor.
+def measure(workload: str, bucket_size: int, args) -> dict:
+    """Every way on one workload and bucket size, repeated and interleaved; the summary row."""
+    model_factory, data_factory = workloads.WORKLOADS[workload]
+    # Data as a callable: each bucket builds it once, so it never travels
+    # inside the trainable class to every trial actor.
     task = ct.Task(model_factory(), data_factory, optimizer="sgd", batch_size=args.batch_size)
     space = sweep(args.trials)
-    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
-    machine = (f"{platform.machine()} {os.cpu_count()} CPUs"
-               + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""))
-    print(f"{args.workload}: {args.trials} trials x {args.epochs} epochs, bucket {args.bucket_size}, "
-          f"ASHA rf={args.reduction_factor}, device={args.device}, machine: {machine}", flush=True)
+    args = argparse.Namespace(**{**vars(args), "bucket_size": bucket_size})
     runners = {"plain": run_plain, "chorus": run_chorus, "fused": run_fused}
     ways = args.ways.split(",")
     outcomes: dict[str, list[Outcome]] = {w: [] for w in ways}
+    print(f"{workload}, bucket {bucket_size}:", flush=True)
     for r in range(args.repeats):
         for way in ways:
             outcome = runners[way](task, space, args)
             outcomes[way].append(outcome)
             print(f"  repeat {r + 1} {way:7} {outcome.wall_s:7.1f} s  {outcome.trials_per_min:7.1f} trials/min  "
                   f"best {METRIC}={outcome.best:.4f}  reached max_t: {outcome.reached_max_t}", flush=True)
-    ray.shutdown()
     median = {w: statistics.median(o.wall_s for o in outs) for w, outs in outcomes.items()}
-    summary = {
-        "workload": args.workload, "trials": args.trials, "epochs": args.epochs, "bucket_size": args.bucket_size,
-        "device": args.device, "machine": machine, "torch": torch.__version__,
+    row = {
+        "workload": workload, "bucket_size": bucket_size, "max_buckets": args.max_buckets,
+        "trials": args.trials, "epochs": args.epochs, "scheduler": args.scheduler,
         "median_wall_s": median,
         "trials_per_min": {w: 60.0 * args.trials / s for w, s in median.items()},
         "best": {w: max(o.best for o in outs) for w, outs in outcomes.items()},
         "runs": {w: [asdict(o) for o in outs] for w, outs in outcomes.items()},
     }
     if "plain" in median and "chorus" in median:
-        summary["plain_over_chorus"] = median["plain"] / median["chorus"]
+        row["plain_over_chorus"] = median["plain"] / median["chorus"]
     if "chorus" in median and "fused" in median:
-        summary["chorus_over_fused"] = median["chorus"] / median["fused"]
-    print(f"{'way':8} {'median s':>9} {'trials/min':>11} {'best':>7}")
-    for w in ways:
-        print(f"{w:8} {median[w]:9.1f} {summary['trials_per_min'][w]:11.1f} {summary['best'][w]:7.4f}")
-    for name in ("plain_over_chorus", "chorus_over_fused"):
-        if name in summary:
-            print(f"{name.replace('_over_', ' / ')}: {summary[name]:.2f}x")
+        row["chorus_over_fused"] = median["chorus"] / median["fused"]
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    ways = list(rows[0]["median_wall_s"])
+    head = f"{'workload':14} {'bucket':>6} " + " ".join(f"{w + ' s':>9} {'best':>6}" for w in ways)
+    print(head + f" {'(a)/(b)':>8} {'(b)/(c)':>8}")
+    for row in rows:
+        cells = " ".join(f"{row['median_wall_s'][w]:9.1f} {row['best'][w]:6.3f}" for w in ways)
+        ratios = " ".join(f"{row[k]:7.2f}x" if k in row else f"{'-':>8}"
+                          for k in ("plain_over_chorus", "chorus_over_fused"))
+        print(f"{row['workload']:14} {row['bucket_size']:6d} {cells} {ratios}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workload", default="synth-mlp64",
+                        help=f"one or more, comma-separated, of: {', '.join(sorted(workloads.WORKLOADS))}")
+    parser.add_argument("--trials", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--bucket-size", default="16", help="one or more, comma-separated")
+    parser.add_argument("--max-buckets", type=int, default=None,
+                        help="(b): buckets at once (default: as many as the resources hold)")
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--scheduler", default="asha", choices=("asha", "fifo"),
+                        help="asha: ASHA (grace 1) in (a), ChorusASHA in (b), cohort halving in (c)")
+    parser.add_argument("--reduction-factor", type=float, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--ways", default="plain,chorus,fused")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--gpu-trials", type=int, default=16, help="(a) on CUDA: trials sharing the GPU")
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--name", default=None, help="file stem for the JSON and PNG (default: from the arguments)")
+    args = parser.parse_args()
+    names = args.workload.split(",")
+    unknown = sorted(set(names) - set(workloads.WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; choose from {sorted(workloads.WORKLOADS)}")
+    sizes = [int(b) for b in args.bucket_size.split(",")]
+
+    import ray
+
+    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
+    machine = (f"{platform.machine()} {os.cpu_count()} CPUs"
+               + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""))
+    print(f"{args.trials} trials x {args.epochs} epochs, {args.scheduler} (rf={args.reduction_factor}), "
+          f"device={args.device}, machine: {machine}, torch {torch.__version__}, ray {ray.__version__}", flush=True)
+    rows = []
+    for name in names:
+        for size in sizes:
+            row = measure(name, size, args)
+            row.update(device=args.device, machine=machine)
+            rows.append(row)
+    ray.shutdown()
+    print_table(rows)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"vs_tune-{args.workload}-t{args.trials}-e{args.epochs}-b{args.bucket_size}")
+    stem = os.path.join(args.out, args.name or (
+        f"vs_tune-{'+'.join(names)}-t{args.trials}-e{args.epochs}-b{'+'.join(map(str, sizes))}-{args.scheduler}"))
+    summary = {"machine": machine, "device": args.device, "torch": torch.__version__, "ray": ray.__version__,
+               "args": vars(args), "rows": rows}
     with open(stem + ".json", "w") as fh:
         json.dump(summary, fh, indent=2)
-    plot(summary, stem + ".png")
+    plot(rows, stem + ".png")
     print(f"wrote {stem}.json and {stem}.png")
 
 

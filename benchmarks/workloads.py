@@ -51,6 +51,12 @@ def synthetic_images(n_train: int = 10_000, n_val: int = 2_000, channels: int = 
     return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
 
 
+def synthetic_images_8x8():
+    """The synthetic classification set, each row of 64 features seen as a 1x8x8 image (for the CNN)."""
+    (x, y), (xv, yv) = synthetic_classification()
+    return (x.reshape(-1, 1, 8, 8), y), (xv.reshape(-1, 1, 8, 8), yv)
+
+
 def digits_images():
     (x, y), (xv, yv) = digits_split()
     return (x.reshape(-1, 1, 8, 8), y), (xv.reshape(-1, 1, 8, 8), yv)
@@ -63,6 +69,7 @@ WORKLOADS = {
     "digits-cnn": (lambda: small_cnn(1, 8), digits_images),
     "synth-mlp64": (lambda: mlp(64), synthetic_classification),
     "synth-mlp256": (lambda: mlp(256), synthetic_classification),
+    "synth-cnn": (lambda: small_cnn(1, 8), synthetic_images_8x8),
     "cifar-cnn": (lambda: small_cnn(3, 32), synthetic_images),
 }
 
