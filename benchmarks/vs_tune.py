@@ -6,10 +6,11 @@
             (so every core runs a trial; plus a GPU fraction per trial on CUDA).
 (b) chorus  ``ChorusTrainable`` + ``ChorusSearch`` + ``ChorusASHA``, same
             configs, seeds, epochs and ASHA settings.
-(c) fused   the core's ``Bucket`` over the same members with no Ray at all, the
-            buckets one after another, pruning each cohort at the same rungs as
-            synchronous successive halving (what ChorusASHA decides for a full
-            cohort): the ceiling for (b).
+(c) fused   the core's ``Bucket`` over the same members with no Ray at all,
+            pruning each cohort at the same rungs as synchronous successive
+            halving (what ChorusASHA decides for a full cohort), as many
+            buckets at once as (b) runs (one process each, one core each on a
+            CPU): the ceiling for (b).
 
 All three run one after another in one invocation, repeated and interleaved
 (a, b, c, a, b, c, ...), so a drifting machine load hits all alike. Printed and
@@ -68,8 +69,10 @@ def sweep(trials: int) -> dict:
 
 
 def configs_of(space: dict) -> list[dict]:
+    """The sweep's configs in Tune's grid order (the first axis varies fastest): (c)'s
+    blocks of ``bucket_size`` are then the groups ChorusSearch releases together in (b)."""
     return [dict(lr=lr, weight_decay=wd, momentum=space["momentum"], seed=space["seed"])
-            for lr in space["lr"] for wd in space["weight_decay"]]
+            for wd in space["weight_decay"] for lr in space["lr"]]
 
 
 def tune_space(space: dict) -> dict:
@@ -144,33 +147,66 @@ def run_chorus(task: ct.Task, space: dict, args) -> Outcome:
     return fit_timed("chorus", trainable, tune_config, space, args)
 
 
+def fused_block(workload: str, batch_size: int, device: str, configs: list[dict], epochs: int,
+                rungs: set, reduction_factor: float) -> tuple[float, int]:
+    """(c) for one bucket's worth of configs: the best final metric and how many reached the end."""
+    if device == "cpu":
+        torch.set_num_threads(1)  # as a bucket actor on a CPU-only cluster: one core each
+    model_factory, data_factory = workloads.WORKLOADS[workload]
+    task = ct.Task(model_factory(), data_factory, optimizer="sgd", batch_size=batch_size)
+    from chorus_tune.tune.halving import select_survivors
+
+    bucket = ct.Bucket(task, len(configs), device=device)
+    for config in configs:
+        bucket.add(config)
+    for epoch in range(1, epochs + 1):
+        results = bucket.run_iteration()
+        if epoch == epochs:
+            finals = [m[METRIC] for m in results.values() if not math.isnan(m[METRIC])]
+            return max(finals, default=float("nan")), len(results)
+        if epoch in rungs:
+            keep = set(select_survivors({str(s): m[METRIC] for s, m in results.items()}, reduction_factor))
+            for slot in results:
+                if str(slot) not in keep:
+                    bucket.retire(slot)
+            if 2 * len(bucket.live_slots) <= bucket.capacity:
+                bucket.compact()
+    return float("nan"), 0
+
+
+def fused_parallelism(args) -> int:
+    """How many buckets (b) trains at once by default: one per GPU, else one per core."""
+    if args.max_buckets:
+        return args.max_buckets
+    if args.device == "cuda":
+        return max(1, torch.cuda.device_count())
+    return max(1, min(os.cpu_count() or 1, math.ceil(args.trials / args.bucket_size)))
+
+
 def run_fused(task: ct.Task, space: dict, args) -> Outcome:
-    from chorus_tune.tune.halving import rung_milestones, select_survivors
+    from chorus_tune.tune.halving import rung_milestones
 
     rungs = set(rung_milestones(1, args.epochs, args.reduction_factor)) if args.scheduler == "asha" else set()
     configs = configs_of(space)
+    blocks = [configs[i:i + args.bucket_size] for i in range(0, len(configs), args.bucket_size)]
+    jobs = [(args.workload, args.batch_size, args.device, block, args.epochs, rungs, args.reduction_factor)
+            for block in blocks]
+    parallel = fused_parallelism(args)
     start = time.perf_counter()
-    best, reached = float("nan"), 0
-    for first in range(0, len(configs), args.bucket_size):
-        bucket = ct.Bucket(task, min(args.bucket_size, len(configs) - first), device=args.device)
-        for config in configs[first:first + args.bucket_size]:
-            bucket.add(config)
-        for epoch in range(1, args.epochs + 1):
-            results = bucket.run_iteration()
-            if epoch == args.epochs:
-                finals = [m[METRIC] for m in results.values() if not math.isnan(m[METRIC])]
-                best = max([best, *finals]) if not math.isnan(best) else max(finals, default=best)
-                reached += len(results)
-            elif epoch in rungs:
-                keep = set(select_survivors({str(s): m[METRIC] for s, m in results.items()},
-                                            args.reduction_factor))
-                for slot in results:
-                    if str(slot) not in keep:
-                        bucket.retire(slot)
-                if 2 * len(bucket.live_slots) <= bucket.capacity:
-                    bucket.compact()
+    if parallel == 1:
+        outcomes = [fused_block(*job) for job in jobs]
+    else:
+        # As many buckets at once as (b) runs, each in a process of its own (its
+        # start-up counted, as (b)'s bucket actors' is); the next block goes to
+        # the first process free, as (b) refills a freed bucket.
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+            outcomes = list(pool.map(fused_block, *zip(*jobs)))
     wall = time.perf_counter() - start
-    return Outcome("fused", wall, len(configs), best, reached)
+    finals = [b for b, _ in outcomes if not math.isnan(b)]
+    return Outcome("fused", wall, len(configs), max(finals, default=float("nan")), sum(n for _, n in outcomes))
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -204,7 +240,7 @@ def measure(workload: str, bucket_size: int, args) -> dict:
     # inside the trainable class to every trial actor.
     task = ct.Task(model_factory(), data_factory, optimizer="sgd", batch_size=args.batch_size)
     space = sweep(args.trials)
-    args = argparse.Namespace(**{**vars(args), "bucket_size": bucket_size})
+    args = argparse.Namespace(**{**vars(args), "workload": workload, "bucket_size": bucket_size})
     runners = {"plain": run_plain, "chorus": run_chorus, "fused": run_fused}
     ways = args.ways.split(",")
     outcomes: dict[str, list[Outcome]] = {w: [] for w in ways}
