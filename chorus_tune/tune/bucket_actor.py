@@ -67,6 +67,9 @@ class ChorusBucket:
         self.core = Bucket(task, options.bucket_size, device="cuda" if gpu else "cpu", route=options.route)
         self.lockstep = Lockstep(options.bucket_size, options.gather_s)
         self.slots: dict[str, int] = {}
+        # Members that left but whose slot the core still trains until the
+        # leave gets the lock: compaction must renumber these too.
+        self._leaving: dict[str, int] = {}
         self.clients: dict[str, Any] = {}
         self.parked: dict[str, bytes] = {}
         self.retired: OrderedDict[str, bytes] = OrderedDict()
@@ -134,6 +137,10 @@ class ChorusBucket:
             if join is None:
                 raise MemberError(f"trial {member} asked bucket {self.name} for an iteration before joining")
             await self._join(member, join)
+        previous = self._waiters.get(member)
+        if previous is not None and not previous.done():
+            previous.set_exception(MemberError(f"trial {member} asked bucket {self.name} again before its "
+                                               "last request was answered"))
         future = asyncio.get_running_loop().create_future()
         self._waiters[member] = future
         self.lockstep.request(member)
@@ -151,7 +158,11 @@ class ChorusBucket:
                 self._forget(member)
                 self._notify_pool_left(member)
                 raise
-        self.slots[member] = slot
+            if member not in self.lockstep.expected:
+                # It left while waiting for the lock: no slot may outlive it.
+                self.core.retire(slot)
+                raise MemberError(f"trial {member} left bucket {self.name} while joining it")
+            self.slots[member] = slot
         self.metrics.members(self.live, self.core.capacity)
 
     async def leave(self, member: str, keep_state: bool = True) -> bool:
@@ -168,10 +179,15 @@ class ChorusBucket:
         slot = self.slots.pop(member, None)
         self.clients.pop(member, None)
         if slot is not None:
-            async with self._lock:
-                if keep_state:
-                    state = await self._in_thread(self._dump, slot)
-                self.core.retire(slot)
+            self._leaving[member] = slot
+            try:
+                async with self._lock:
+                    slot = self._leaving[member]  # a compaction may have renumbered it meanwhile
+                    if keep_state:
+                        state = await self._in_thread(self._dump, slot)
+                    self.core.retire(slot)
+            finally:
+                self._leaving.pop(member, None)
         if keep_state and state is not None:
             self.retired[member] = state
             while len(self.retired) > _RETIRED_KEEP:
@@ -215,10 +231,14 @@ class ChorusBucket:
             if self.slots.get(member) != slot or member in self.lockstep.requested:
                 return
             state = await self._in_thread(self._dump, slot)
+            # It may have asked for its next iteration, or left, while its
+            # state was being saved: parking it now would orphan that request.
+            if self.slots.get(member) != slot or member in self.lockstep.requested:
+                return
             self.core.retire(slot)
-        del self.slots[member]
-        self.parked[member] = state
-        self.lockstep.drop(member)
+            del self.slots[member]
+            self.parked[member] = state
+            self.lockstep.drop(member)
         logger.info("%s: parked %s (no request %.1fs after the others)", self.name, member,
                     self.options.park_after_s)
         self.metrics.members(self.live, self.core.capacity)
@@ -229,9 +249,13 @@ class ChorusBucket:
         self.lockstep.expect(member)
         async with self._lock:
             decoded = state_io.loads(state)
-            config = decoded["config"]
-            slot = await self._in_thread(self.core.add, config, None, decoded)
-        self.slots[member] = slot
+            slot = await self._in_thread(self.core.add, decoded["config"], None, decoded)
+            if member not in self.lockstep.expected:
+                # It left while waiting for the lock: keep its state for a late save, not its slot.
+                self.core.retire(slot)
+                self.retired[member] = state
+                raise MemberError(f"trial {member} left bucket {self.name} while rejoining it")
+            self.slots[member] = slot
         self.metrics.members(self.live, self.core.capacity)
 
     async def compact(self) -> int | None:
@@ -241,13 +265,16 @@ class ChorusBucket:
         Returns the new capacity."""
         self._start()
         members = set(self.lockstep.expected) | set(self.parked)
-        if not self.slots or set(self.slots) != members or self.parked:
+        if not self.slots or set(self.slots) != members or self.parked or self._leaving:
             return None
         async with self._lock:
-            if set(self.slots) != set(self.lockstep.expected) or self.parked:
+            # A leave still waiting for the lock holds a slot the core trains:
+            # shrinking now would keep it. Its own leave asks for compaction again.
+            if set(self.slots) != set(self.lockstep.expected) or self.parked or self._leaving:
                 return None
             remap = await self._in_thread(self.core.compact)
             self.slots = {m: remap[slot] for m, slot in self.slots.items()}
+            self._leaving = {m: remap[slot] for m, slot in self._leaving.items()}
             self.lockstep.capacity = self.core.capacity
             self.compactions += 1
         logger.info("%s: compacted to %d slots", self.name, self.core.capacity)
