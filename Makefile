@@ -35,7 +35,7 @@ CHORUS_TORCH_SITE := .bench-venv/site
 $(CHORUS_TORCH_SITE)/chorus/__init__.py: $(BIN)/python
 	$(BIN)/pip install $(PIP_FLAGS) --no-deps --ignore-requires-python --upgrade --target $(CHORUS_TORCH_SITE) chorus-torch==0.1.0
 
-.PHONY: bench-chorus bench-step
+.PHONY: bench-chorus bench-step bench-tune bench-startup
 bench-chorus: setup $(CHORUS_TORCH_SITE)/chorus/__init__.py
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/vs_chorus.py --threads 1 --json benchmarks/results/vs_chorus.json
@@ -43,3 +43,14 @@ bench-chorus: setup $(CHORUS_TORCH_SITE)/chorus/__init__.py
 bench-step: setup
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/fused_step.py --json benchmarks/results/fused_step.json
+
+# The README's plain-Tune comparison: every workload x bucket size, about 35 min on 2 cores.
+bench-tune: setup
+	$(BIN)/python benchmarks/vs_tune.py --workload synth-mlp64,synth-mlp256,synth-cnn --bucket-size 8,16,32 \
+	    --repeats 2 --name vs_tune-synthetic
+	$(BIN)/python benchmarks/vs_tune.py --workload digits-mlp64,digits-mlp256,digits-cnn --bucket-size 8,16,32 \
+	    --repeats 2 --name vs_tune-digits
+
+bench-startup: setup
+	mkdir -p benchmarks/results
+	$(BIN)/python benchmarks/trial_startup.py --json benchmarks/results/trial_startup.json
