@@ -147,16 +147,22 @@ def run_chorus(task: ct.Task, space: dict, args) -> Outcome:
     return fit_timed("chorus", trainable, tune_config, space, args)
 
 
+def make_task(workload: str, batch_size: int) -> ct.Task:
+    """The task of a named workload. Its data stays a callable: each bucket (and each
+    (c) process) builds it once, so it never travels inside the trainable class to
+    every trial actor."""
+    model_factory, data_factory = workloads.WORKLOADS[workload]
+    return ct.Task(model_factory(), data_factory, optimizer="sgd", batch_size=batch_size)
+
+
 def fused_block(workload: str, batch_size: int, device: str, configs: list[dict], epochs: int,
                 rungs: set, reduction_factor: float) -> tuple[float, int]:
     """(c) for one bucket's worth of configs: the best final metric and how many reached the end."""
     if device == "cpu":
         torch.set_num_threads(1)  # as a bucket actor on a CPU-only cluster: one core each
-    model_factory, data_factory = workloads.WORKLOADS[workload]
-    task = ct.Task(model_factory(), data_factory, optimizer="sgd", batch_size=batch_size)
     from chorus_tune.tune.halving import select_survivors
 
-    bucket = ct.Bucket(task, len(configs), device=device)
+    bucket = ct.Bucket(make_task(workload, batch_size), len(configs), device=device)
     for config in configs:
         bucket.add(config)
     for epoch in range(1, epochs + 1):
@@ -235,10 +241,7 @@ def plot(rows: list[dict], path: str) -> None:
 
 def measure(workload: str, bucket_size: int, args) -> dict:
     """Every way on one workload and bucket size, repeated and interleaved; the summary row."""
-    model_factory, data_factory = workloads.WORKLOADS[workload]
-    # Data as a callable: each bucket builds it once, so it never travels
-    # inside the trainable class to every trial actor.
-    task = ct.Task(model_factory(), data_factory, optimizer="sgd", batch_size=args.batch_size)
+    task = make_task(workload, args.batch_size)
     space = sweep(args.trials)
     args = argparse.Namespace(**{**vars(args), "workload": workload, "bucket_size": bucket_size})
     runners = {"plain": run_plain, "chorus": run_chorus, "fused": run_fused}

@@ -133,3 +133,20 @@ def test_a_member_that_leaves_while_joining_leaves_no_slot_behind():
     assert list(bucket.slots) == ["b"] and len(bucket.core.live_slots) == 1
     assert b1["chorus/live"] == 1
     assert b1["val_loss"] == pytest.approx(reference_val_loss("b", 1), rel=1e-5)
+
+
+def test_a_second_request_before_the_first_is_answered_fails_the_first_rather_than_orphaning_it():
+    async def scenario():
+        bucket = make_bucket(2)
+        await join_all(bucket, "ab")
+        first = asyncio.create_task(bucket.step("a"))       # waits for b
+        await settle()
+        second = asyncio.create_task(bucket.step("a"))
+        await settle()
+        with pytest.raises(MemberError, match="again before its last request was answered"):
+            await asyncio.wait_for(first, timeout=30)
+        b2 = await bucket.step("b")
+        return await asyncio.wait_for(second, timeout=60), b2
+
+    a2, b2 = asyncio.run(scenario())
+    assert a2["iteration"] == b2["iteration"] == 2

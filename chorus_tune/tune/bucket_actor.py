@@ -158,12 +158,19 @@ class ChorusBucket:
                 self._forget(member)
                 self._notify_pool_left(member)
                 raise
-            if member not in self.lockstep.expected:
-                # It left while waiting for the lock: no slot may outlive it.
-                self.core.retire(slot)
-                raise MemberError(f"trial {member} left bucket {self.name} while joining it")
-            self.slots[member] = slot
+            self._seat(member, slot, "joining")
         self.metrics.members(self.live, self.core.capacity)
+
+    def _seat(self, member: str, slot: int, doing: str, state: bytes | None = None) -> None:
+        """Give ``member`` the core slot just filled for it, unless it left while
+        that was done (waiting for the lock): then no slot may outlive it, and
+        ``state``, if any, is kept for a late save."""
+        if member not in self.lockstep.expected:
+            self.core.retire(slot)
+            if state is not None:
+                self.retired[member] = state
+            raise MemberError(f"trial {member} left bucket {self.name} while {doing} it")
+        self.slots[member] = slot
 
     async def leave(self, member: str, keep_state: bool = True) -> bool:
         """``member`` leaves: its slot is freed (its state kept for a late save).
@@ -250,12 +257,7 @@ class ChorusBucket:
         async with self._lock:
             decoded = state_io.loads(state)
             slot = await self._in_thread(self.core.add, decoded["config"], None, decoded)
-            if member not in self.lockstep.expected:
-                # It left while waiting for the lock: keep its state for a late save, not its slot.
-                self.core.retire(slot)
-                self.retired[member] = state
-                raise MemberError(f"trial {member} left bucket {self.name} while rejoining it")
-            self.slots[member] = slot
+            self._seat(member, slot, "rejoining", state)
         self.metrics.members(self.live, self.core.capacity)
 
     async def compact(self) -> int | None:
