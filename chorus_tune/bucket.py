@@ -154,6 +154,12 @@ class Bucket:
         if not isinstance(train, TensorSplit):
             self._shared = SharedBatches(train, self.task.batch_size_for(config), self.task.data_seed)
         self.stack = MemberStack(template, self.capacity, self.device)
+        by_identity = {id(t): n for n, t in (*template.named_parameters(), *template.named_buffers())}
+        entries = template.state_dict(keep_vars=True)
+        # None: the state_dict holds more than tensors of the stack (extra state):
+        # then a member's state goes through a real model build.
+        self._state_names = ({key: by_identity[id(t)] for key, t in entries.items()}
+                             if all(id(t) in by_identity for t in entries.values()) else None)
         self.optimizer = StackedOptimizer(key[4], self.stack.params)
 
     # ----- members out ----------------------------------------------------------------------------
@@ -171,12 +177,23 @@ class Bucket:
             "format": STATE_FORMAT,
             "config": dict(member.config),
             "seed": member.seed,
-            "model": self.export_model(slot).state_dict(),
+            "model": (self._state_dict_rows(slot) if self._state_names is not None
+                      else self.export_model(slot).state_dict()),
             "optimizer": self.optimizer.member_state(slot),
             "iteration": member.iteration,
             "step": member.step,
             "data": None if member.order is None else member.order.state_dict(),
         }
+
+    def _state_dict_rows(self, slot: int) -> dict[str, torch.Tensor]:
+        # The member's state_dict in the user's key names, read straight off the
+        # stack (no model build: the bucket snapshots members every iteration).
+        # Tied parameters appear under each of their names, as in state_dict.
+        rows = {}
+        for key, name in self._state_names.items():
+            source = self.stack.params[name] if name in self.stack.params else self.stack.buffers[name]
+            rows[key] = source[slot].detach().to("cpu", copy=True)
+        return rows
 
     def export_model(self, slot: int) -> nn.Module:
         """The member as an instance of the user's own class, on the CPU, in eval mode."""
@@ -197,12 +214,27 @@ class Bucket:
         return {old: new for new, old in enumerate(live)}
 
     # ----- training -------------------------------------------------------------------------------
-    def run_iteration(self) -> dict[int, dict[str, Any]]:
-        """One iteration of every live member, fused; ``{slot: metrics}``."""
-        live = self.live_slots
+    def run_iteration(self, slots: list[int] | None = None) -> dict[int, dict[str, Any]]:
+        """One iteration of the members in ``slots`` (default: every live one),
+        fused; ``{slot: metrics}``.
+
+        A live member left out sits this iteration out exactly as a retired
+        slot does: its parameters, buffers, optimizer state and batch order
+        stay bit-for-bit as they were, so it can catch up later on its own
+        trajectory (a bucket runs members ahead of their trials and masks the
+        ones whose trial lags).
+        """
+        if slots is None:
+            live = self.live_slots
+        else:
+            live = sorted(set(slots))
+            for k in live:
+                self._member(k)  # a KeyError for a slot that holds no member
         if not live:
             return {}
-        self._ensure_route(live)
+        # Probe with every live member, not only this iteration's: a newcomer
+        # that sits this one out must still be checked against vmap.
+        self._ensure_route(self.live_slots)
         first = self.members[live[0]]
         steps = self.task.steps_per_iteration(first.config)
         active = self._active_mask(live)

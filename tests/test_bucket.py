@@ -276,3 +276,37 @@ def test_bad_hyperparameters_are_refused_with_a_clear_error():
     with pytest.raises(ValueError, match="lr must be"):
         bucket.add(dict(lr=-1.0))
     assert bucket.live_slots == []
+
+
+def test_a_member_left_out_of_iterations_stays_frozen_then_catches_up_on_its_reference():
+    task = mlp_task(optimizer="adam")
+    bucket = ct.Bucket(task, 3)
+    configs = [dict(lr=1e-2 * (i + 1), seed=10 + i) for i in range(3)]
+    slots = [bucket.add(c) for c in configs]
+    histories = {s: [] for s in slots}
+    for it in range(4):
+        # slot 1 sits iterations 1 and 2 out, as a member whose trial lags
+        chosen = slots if it in (0, 3) else [slots[0], slots[2]]
+        before = stack_rows(bucket, slots[1]) + optimizer_rows(bucket, slots[1])
+        out = bucket.run_iteration(chosen)
+        assert set(out) == set(chosen)
+        if slots[1] not in chosen:
+            after = stack_rows(bucket, slots[1]) + optimizer_rows(bucket, slots[1])
+            assert all(torch.equal(a, b) for a, b in zip(before, after))
+        for s in chosen:
+            histories[s].append(out[s])
+    for s in (slots[0], slots[2]):
+        assert len(histories[s]) == 4
+    for s, config in zip(slots, configs):
+        assert_follows_reference(task, bucket, s, config, histories[s])
+
+
+def test_member_state_needs_no_model_build_and_equals_the_exported_models_state():
+    task = mlp_task()
+    bucket = ct.Bucket(task, 2)
+    slot = bucket.add(dict(lr=0.1, seed=3))
+    bucket.run_iteration()
+    state = bucket.member_state(slot)
+    exported = bucket.export_model(slot).state_dict()
+    assert state["model"].keys() == exported.keys()
+    assert all(torch.equal(state["model"][k], exported[k]) for k in exported)
