@@ -1,0 +1,352 @@
+"""Who trains next, how far ahead, and what each trial reads (Ray-free).
+
+The bucket is the executor and Tune keeps the ledger (docs/design.md D4): a
+bucket trains its members as fast as the device allows, each member's results
+wait in a queue, and its trial's ``step`` takes the next one. This module holds
+every rule of that, one :class:`MemberRecord` per member with an explicit
+:class:`Phase`, so the bucket actor is a thin adapter over :class:`MemberBook`
+and the rules are tested directly, fast.
+
+How far a member may run ahead of its trial (its *limit*, an iteration number):
+
+* **Decisions the bucket knows** (``Plan.bucket_decides``: ChorusASHA's rungs
+  and ``max_t``, or an iteration budget the user gave): up to the budget. At a
+  rung, the members that reach it in the same fused iteration form a cohort
+  and are halved there, as synchronous successive halving would (the rule of
+  :mod:`chorus_tune.tune.halving`); the stopped go no further, the survivors
+  go on at once. A member that reaches a rung alone is HELD there until its
+  trial asks past it (Tune's scheduler continued it).
+* **Decisions only Tune makes** (stock ASHA, HyperBand, PBT, stoppers): at most
+  ``run_ahead`` iterations beyond what its trial has asked for, so a stopped
+  trial wastes at most that many. ``run_ahead=0`` is strict lockstep: an
+  iteration is computed only once its trial asked for it.
+* Never more than ``max_queue`` results queued (each holds a state snapshot,
+  so a checkpoint after result *t* restores the member exactly at *t*): this
+  bounds the memory run-ahead costs.
+
+Wasted member-iterations (computed, then never read because the trial left
+first) are counted per member and in total.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Iterable
+
+from . import result_keys as rk
+from .halving import CONTINUE, STOP, select_survivors
+
+
+class Phase(str, Enum):
+    """Where a member is in its life in one bucket."""
+
+    RESERVED = "reserved"  # placed here, waiting to be built into a slot
+    TRAINING = "training"  # in a slot; trains whenever its limit allows
+    HELD = "held"  # in a slot, alone at a rung: waits for Tune's decision
+    FINISHED = "finished"  # trains no more (budget, max_t, stopped at a rung); results still drain
+    LEFT = "left"  # its trial left, or it was reaped: nothing more to read
+    FAILED = "failed"  # could not be built (its trial fails with the error)
+
+
+IN_SLOT = (Phase.TRAINING, Phase.HELD)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a member's run lets the bucket know in advance.
+
+    ``run_ahead``: iterations a member may compute beyond what its trial asked
+    for, when Tune makes decisions the bucket cannot see. ``budget``: the
+    iteration at which the member is done (``None``: unknown). ``bucket_decides``:
+    every decision up to ``budget`` is known to the bucket (the rungs below,
+    or no decision at all: FIFO with a budget the user gave), so the member
+    runs ahead without bound. ``rungs``: iterations at which a cohort is halved,
+    keeping ``max(1, floor(n / reduction_factor))`` by ``sign * metric``
+    (higher is better after the sign).
+    """
+
+    run_ahead: int = 2
+    budget: int | None = None
+    bucket_decides: bool = False
+    rungs: tuple[int, ...] = ()
+    reduction_factor: float = 4.0
+    metric: str | None = None
+    sign: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.run_ahead < 0:
+            raise ValueError(f"run_ahead must be 0 or more; got {self.run_ahead}")
+        if self.budget is not None and self.budget < 1:
+            raise ValueError(f"an iteration budget must be at least 1; got {self.budget}")
+        if self.rungs and self.metric is None:
+            raise ValueError("rungs need the metric they are decided on")
+        if self.bucket_decides and self.budget is None:
+            raise ValueError("a bucket can only decide every step of a run whose budget it knows")
+
+
+@dataclass
+class Entry:
+    """One computed result waiting for its trial, with the member's state then."""
+
+    iteration: int
+    result: dict[str, Any]
+    state: Any
+
+
+@dataclass
+class MemberRecord:
+    """Everything a bucket knows of one member."""
+
+    member: str
+    plan: Plan
+    phase: Phase = Phase.RESERVED
+    slot: int | None = None
+    produced: int = 0  # the member's iteration count after the last one computed
+    asked: int = 0  # iterations its trial has asked for (delivered, or waited for)
+    taken: int = 0  # iterations delivered to its trial
+    queue: deque = field(default_factory=deque)
+    state_at_taken: Any = None  # the member's state at ``taken`` (what a checkpoint saves)
+    hold_at: int | None = None  # a rung reached alone: no further until asked beyond it
+    attached: bool = False  # a trial reads this member's results
+    lagging: bool = False  # left out of the last iteration while its trial was behind
+    wasted: int = 0
+    error: BaseException | None = None
+
+    @property
+    def in_slot(self) -> bool:
+        return self.phase in IN_SLOT
+
+    @property
+    def drained(self) -> bool:
+        """Nothing more will ever be read from this member."""
+        return self.phase in (Phase.LEFT, Phase.FAILED) or (
+            self.phase is Phase.FINISHED and not self.queue)
+
+
+class MemberBook:
+    """The members of one bucket and the rules that move them.
+
+    ``max_queue``: at most this many results wait per member (the memory bound
+    of running ahead). ``gather_s``: an iteration waits this long for members
+    whose trial is about to ask (so trials in step with each other train in
+    one fused iteration), never for a member that lagged last time.
+    """
+
+    def __init__(self, max_queue: int = 64, gather_s: float = 0.05):
+        if max_queue < 1:
+            raise ValueError(f"max_queue must be at least 1; got {max_queue}")
+        self.max_queue = max_queue
+        self.gather_s = gather_s
+        self.records: dict[str, MemberRecord] = {}
+        self.wasted = 0
+        self._ready_since: float | None = None
+
+    # ----- membership -------------------------------------------------------------------------------
+    def reserve(self, member: str, plan: Plan) -> MemberRecord:
+        """Hold a place for ``member`` (idempotent while it is reserved or in a slot)."""
+        record = self.records.get(member)
+        if record is not None and record.phase in (Phase.RESERVED, *IN_SLOT):
+            return record
+        record = MemberRecord(member, plan)
+        self.records[member] = record
+        return record
+
+    def place(self, member: str, slot: int, iteration: int, state: Any = None) -> MemberRecord:
+        """``member`` is built into ``slot`` at its ``iteration`` (0, or where its state was)."""
+        record = self._get(member)
+        if record.phase is not Phase.RESERVED:
+            raise ValueError(f"member {member} is {record.phase.value}, not reserved")
+        record.phase, record.slot = Phase.TRAINING, slot
+        record.produced = record.asked = record.taken = iteration
+        record.state_at_taken = state
+        return record
+
+    def fail(self, member: str, error: BaseException) -> None:
+        record = self._get(member)
+        record.phase, record.error, record.slot = Phase.FAILED, error, None
+
+    def set_plan(self, member: str, plan: Plan) -> None:
+        self._get(member).plan = plan
+
+    def attach(self, member: str) -> None:
+        self._get(member).attached = True
+
+    def leave(self, member: str) -> int | None:
+        """``member``'s trial is gone: returns the slot to free, if it held one.
+        What it computed and nobody read is counted as wasted. Idempotent."""
+        record = self.records.get(member)
+        if record is None or record.phase is Phase.LEFT:
+            return None
+        slot = record.slot if record.in_slot else None
+        if record.phase is not Phase.FAILED:
+            wasted = record.produced - record.taken
+            record.wasted += wasted
+            self.wasted += wasted
+        record.queue.clear()
+        record.phase, record.slot = Phase.LEFT, None
+        return slot
+
+    def forget(self, member: str) -> None:
+        self.records.pop(member, None)
+
+    def renumber(self, remap: dict[int, int]) -> None:
+        """Slots after a compaction: ``{old: new}``."""
+        for record in self.records.values():
+            if record.in_slot:
+                record.slot = remap[record.slot]
+
+    # ----- views ------------------------------------------------------------------------------------
+    def get(self, member: str) -> MemberRecord | None:
+        return self.records.get(member)
+
+    def in_slots(self) -> list[MemberRecord]:
+        return [r for r in self.records.values() if r.in_slot]
+
+    def reserved(self) -> list[str]:
+        return [m for m, r in self.records.items() if r.phase is Phase.RESERVED]
+
+    def limit(self, record: MemberRecord) -> float:
+        """The iteration ``record`` may be computed up to now."""
+        plan = record.plan
+        limit = math.inf if plan.budget is None else plan.budget
+        if not plan.bucket_decides:
+            limit = min(limit, record.asked + plan.run_ahead)
+        if record.hold_at is not None:
+            limit = min(limit, record.hold_at)
+        return min(limit, record.taken + self.max_queue)
+
+    def runnable(self) -> list[MemberRecord]:
+        return [r for r in self.in_slots() if r.phase is Phase.TRAINING and r.produced < self.limit(r)]
+
+    def _about_to_ask(self, record: MemberRecord) -> bool:
+        # Blocked only because its (live, keeping-up) trial has not asked yet.
+        return (record.phase is Phase.TRAINING and record.attached and not record.lagging
+                and record.produced >= self.limit(record)
+                and (record.plan.budget is None or record.produced < record.plan.budget))
+
+    def next_iteration(self, now: float) -> tuple[list[MemberRecord], float | None]:
+        """Who trains in the next fused iteration, or how long to wait first.
+
+        Returns ``(members, None)`` to run now, ``([], seconds)`` to look again
+        after ``seconds`` (gathering), ``([], None)`` when nobody can train.
+        """
+        runnable = self.runnable()
+        if not runnable:
+            self._ready_since = None
+            return [], None
+        if self._ready_since is None:
+            self._ready_since = now
+        waiting_for = [r for r in self.in_slots() if self._about_to_ask(r)]
+        remaining = self._ready_since + self.gather_s - now
+        if waiting_for and remaining > 0:
+            return [], remaining
+        return runnable, None
+
+    def started(self, trained: Iterable[MemberRecord]) -> None:
+        """An iteration starts with ``trained``: members left out while their
+        trial was behind are lagging (never waited for, until they catch up)."""
+        self._ready_since = None
+        chosen = {r.member for r in trained}
+        for record in self.in_slots():
+            if record.member in chosen:
+                record.lagging = False
+            elif self._about_to_ask(record):
+                record.lagging = True
+
+    # ----- results ----------------------------------------------------------------------------------
+    def record(self, outputs: dict[str, tuple[dict[str, Any], Any]]) -> list[int]:
+        """The results of one fused iteration: ``{member: (result, state)}``.
+
+        Queues each result with its state, halves cohorts at rungs, finishes
+        members at their budget. Returns the slots freed (members that train
+        no more)."""
+        reached: dict[tuple, list[MemberRecord]] = {}
+        for member, (result, state) in outputs.items():
+            record = self._get(member)
+            record.produced += 1
+            record.queue.append(Entry(record.produced, result, state))
+            plan = record.plan
+            if plan.bucket_decides and record.produced in plan.rungs and record.produced != plan.budget:
+                reached.setdefault((record.produced, plan), []).append(record)
+        for (rung, plan), cohort in reached.items():
+            self._decide(rung, plan, cohort)
+        freed = []
+        for member in outputs:
+            record = self._get(member)
+            budget = record.plan.budget
+            if record.phase is Phase.TRAINING and budget is not None and record.produced >= budget:
+                record.queue[-1].result["done"] = True
+                freed.append(self._finish(record))
+            elif record.phase is Phase.FINISHED and record.slot is not None:
+                freed.append(self._finish(record))
+        return freed
+
+    def _decide(self, rung: int, plan: Plan, cohort: list[MemberRecord]) -> None:
+        entries = {r.member: r.queue[-1] for r in cohort}
+        if len(cohort) == 1:
+            record = cohort[0]
+            record.phase, record.hold_at = Phase.HELD, rung
+            entries[record.member].result[rk.DECISION] = rk.HELD
+            entries[record.member].result[rk.COHORT_SIZE] = 1
+            return
+        scores = {}
+        for member, entry in entries.items():
+            raw = entry.result.get(plan.metric)
+            value = math.nan if raw is None else plan.sign * float(raw)
+            scores[member] = value
+        ranked = sorted(scores, key=lambda m: (math.isnan(scores[m]), -scores[m] if not math.isnan(scores[m])
+                                               else 0.0, m))
+        keep = set(select_survivors(scores, plan.reduction_factor))
+        for rank, member in enumerate(ranked, start=1):
+            result = entries[member].result
+            result[rk.DECISION] = CONTINUE if member in keep else STOP
+            result[rk.COHORT_SIZE] = len(cohort)
+            result[rk.COHORT_RANK] = rank
+            if member not in keep:
+                self._get(member).phase = Phase.FINISHED
+
+    def _finish(self, record: MemberRecord) -> int:
+        slot = record.slot
+        record.phase, record.slot = Phase.FINISHED, None
+        return slot
+
+    # ----- what trials read -------------------------------------------------------------------------
+    def ask(self, member: str) -> Entry | None:
+        """``member``'s trial asks for its next result: the result if one is
+        ready (delivered now), else ``None`` (it waits; the ask counts)."""
+        record = self._get(member)
+        if record.phase is Phase.FAILED:
+            raise record.error
+        if record.phase is Phase.LEFT:
+            raise KeyError(f"member {member} has left this bucket")
+        if record.asked == record.taken:
+            record.asked += 1
+        if record.hold_at is not None and record.asked > record.hold_at:
+            # Tune continued a member held alone at a rung.
+            record.hold_at = None
+            if record.phase is Phase.HELD:
+                record.phase = Phase.TRAINING
+        return self.deliver(member)
+
+    def deliver(self, member: str) -> Entry | None:
+        """The next result of a member whose trial is waiting for it, if computed."""
+        record = self._get(member)
+        if record.asked <= record.taken or not record.queue:
+            return None
+        entry = record.queue.popleft()
+        record.taken = entry.iteration
+        record.state_at_taken = entry.state
+        return entry
+
+    def exhausted(self, member: str) -> bool:
+        """The member's trial asks for more than it will ever get (it finished)."""
+        record = self._get(member)
+        return record.phase is Phase.FINISHED and not record.queue and record.asked > record.taken
+
+    def _get(self, member: str) -> MemberRecord:
+        record = self.records.get(member)
+        if record is None:
+            raise KeyError(f"no member {member} in this bucket")
+        return record

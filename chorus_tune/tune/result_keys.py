@@ -1,0 +1,28 @@
+"""The ``chorus/*`` fields of every ChorusTrainable result, and what they mean.
+
+One place for the names: the bucket writes them, the scheduler reads
+``DECISION``, and the README's table is this list.
+"""
+from __future__ import annotations
+
+MEMBER = "chorus/member"  # the member this trial reads (its trial id, or ChorusSearch's seat id)
+BUCKET = "chorus/bucket"  # the bucket actor's name
+SLOT = "chorus/slot"  # the member's slot when this result was computed
+ROUTE = "chorus/route"  # "vmap" or "eager": how the fused step ran
+LIVE = "chorus/live"  # members trained in the fused iteration that computed this result
+CAPACITY = "chorus/capacity"  # the bucket's slots then (less after compaction)
+SEED = "chorus/seed"  # the member's seed: reference.train(task, config, seed) replays it
+COMPACTIONS = "chorus/compactions"  # times the bucket shrank to its live members
+AHEAD = "chorus/ahead"  # results of this member already computed behind this one when it was read
+WASTED = "chorus/wasted"  # member-iterations this bucket computed that no trial ever read, so far
+DECISION = "chorus/decision"  # at a rung: "CONTINUE"/"STOP" decided for the cohort, or "HELD" (alone)
+COHORT_SIZE = "chorus/cohort_size"  # at a rung: members of the bucket that reached it together
+COHORT_RANK = "chorus/cohort_rank"  # at a rung: this member's rank in its cohort (1 = best)
+RETIRED = "chorus/retired"  # the member trains no more and this trial asked beyond its last result
+
+HELD = "HELD"
+
+ITERATION = "iteration"  # the member's own iteration count (training_iteration once resumed)
+
+ALL = (MEMBER, BUCKET, SLOT, ROUTE, LIVE, CAPACITY, SEED, COMPACTIONS, AHEAD, WASTED, DECISION,
+       COHORT_SIZE, COHORT_RANK, RETIRED)
