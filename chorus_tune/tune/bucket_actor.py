@@ -1,16 +1,20 @@
-"""The bucket actor: a core :class:`chorus_tune.Bucket` behind a lockstep (DESIGN D2, D4).
+"""The bucket actor: runs the sweep for its members; trials read their results.
 
-Trial actors call :meth:`ChorusBucket.step`; the call returns when the
-bucket's next iteration has run, which happens once every expected member has
-asked for it (:class:`~chorus_tune.tune.lockstep.Lockstep`). The actor is
-asynchronous: while one iteration runs in a worker thread, leaves, saves and
-reaping are still answered, and they touch the core bucket only between
-iterations (one lock guards it).
+A thin adapter over two Ray-free pieces: the core :class:`chorus_tune.Bucket`
+(the fused math) and :class:`~chorus_tune.tune.members.MemberBook` (who trains
+next, how far ahead, what each trial reads). One loop trains whoever the book
+allows, as fast as the device goes; every result waits in its member's queue
+with the member's state of that iteration, and :meth:`ChorusBucket.next_result`
+hands the next one to the member's trial (docs/design.md D4).
+
+Concurrency: the actor is asynchronous. The book is touched only on the event
+loop; the core only in the worker thread, and only under ``self._lock`` — every
+change of slots (join, leave, finish, compaction) and every iteration takes the
+lock, so slot numbers never change under a pending operation.
 """
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import OrderedDict
@@ -21,36 +25,49 @@ import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
+from . import result_keys as rk
 from . import state_io
-from .lockstep import Lockstep
+from .members import MemberBook, Phase, Plan
 from .metrics import BucketMetrics
 from .options import BucketOptions, Join
 from .resources import bucket_threads
 
 logger = logging.getLogger(__name__)
 
-RETIRED = "chorus/retired"
-_RETIRED_KEEP = 256  # states of retired members kept for a late save (checkpoint at end)
+_RETIRED_KEEP = 256  # states of members that left, kept for a late save (checkpoint at end)
+_MAX_QUEUE = 1024  # results one member may have waiting, whatever the memory allows
 
 
 class MemberError(RuntimeError):
     """A call about a member this bucket does not hold."""
 
 
-class LockstepTimeout(RuntimeError):
-    """A lockstep iteration waited too long for members that never asked for it."""
+def _numeric(metrics: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in metrics.items() if k not in ("route", "seed")}
 
 
-def _numeric(metrics: dict[str, Any]) -> dict[str, float]:
-    return {k: v for k, v in metrics.items()
-            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+def _state_bytes(state: dict) -> int:
+    import torch
+
+    total = 0
+    stack = [state]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            total += item.numel() * item.element_size()
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
 
 
 class ChorusBucket:
-    """Up to ``bucket_size`` trials' members, trained fused in lockstep.
+    """Up to ``bucket_size`` members of one structure, trained fused, ahead of their trials.
 
-    Created by the pool (named, outside every trial's placement group).
-    ``repr()`` shows the model class and live/capacity members.
+    Created by the pool (named, outside every trial's placement group). Its
+    ``repr()`` holds only what never changes (Ray captures it once, at
+    creation); live state is in :meth:`describe`, the metrics and the log.
     """
 
     def __init__(self, name: str, task_blob: bytes, options: BucketOptions, model_name: str,
@@ -64,346 +81,323 @@ class ChorusBucket:
         task = cloudpickle.loads(task_blob)
         gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.name, self.model_name, self.options, self._pool = name, model_name, options, pool
-        self.core = Bucket(task, options.bucket_size, device="cuda" if gpu else "cpu", route=options.route)
-        self.lockstep = Lockstep(options.bucket_size, options.gather_s)
-        self.slots: dict[str, int] = {}
-        # Members that left but whose slot the core still trains until the
-        # leave gets the lock: compaction must renumber these too.
-        self._leaving: dict[str, int] = {}
+        self.device = "cuda" if gpu else "cpu"
+        self.core = Bucket(task, options.bucket_size, device=self.device, route=options.route)
+        self.book = MemberBook(max_queue=_MAX_QUEUE, gather_s=options.gather_s)
         self.clients: dict[str, Any] = {}
-        self.parked: dict[str, bytes] = {}
-        self.retired: OrderedDict[str, bytes] = OrderedDict()
-        self.last_metrics: dict[str, dict] = {}
+        self.retired: OrderedDict[str, dict] = OrderedDict()
         self.reaped: list[str] = []
         self.ever: list[str] = []
         self.iterations = 0
         self.compactions = 0
         self._waiters: dict[str, asyncio.Future] = {}
-        self._running = False
+        self._joining: dict[str, asyncio.Task] = {}
         self._lock: asyncio.Lock | None = None
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chorus-bucket")
-        self._watchdog: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
         self._closed: asyncio.Event | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chorus-bucket")
         self.metrics = BucketMetrics(name, model_name)
         self.metrics.members(0, options.bucket_size)
 
     def __repr__(self) -> str:
-        return f"ChorusBucket({self.model_name}, {self.live}/{self.core.capacity} live, route={self.core.route})"
+        return f"ChorusBucket({self.model_name}, {self.options.bucket_size} slots, {self.device})"
 
     @property
     def live(self) -> int:
-        return len(self.slots)
+        return len(self.book.in_slots())
 
     # ----- asyncio plumbing -----------------------------------------------------------------------
     def _start(self) -> None:
         # The actor's event loop exists only inside async methods.
         if self._lock is None:
             self._lock = asyncio.Lock()
+            self._wake = asyncio.Event()
             self._closed = asyncio.Event()
-            self._watchdog = asyncio.get_running_loop().create_task(self._watch())
+            loop = asyncio.get_running_loop()
+            self._tasks = [loop.create_task(self._train_loop()), loop.create_task(self._reap_loop())]
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
+    def _poke(self) -> None:
+        if self._wake is not None:
+            self._wake.set()
+
     # ----- membership -----------------------------------------------------------------------------
-    async def expect(self, member: str, client: Any = None) -> str:
-        """Reserve a place for ``member``: iterations wait for it from now on."""
+    async def expect(self, member: str, client: Any = None, join: Join | None = None) -> str:
+        """Hold a place for ``member``. With ``join`` (a member seated by
+        ChorusSearch) it is built now, else on its trial's first request.
+        Idempotent."""
         self._start()
-        if member in self.lockstep.expected or member in self.parked:
+        self.book.reserve(member, Plan() if join is None else join.plan)
+        if client is not None:
             self.clients[member] = client
-            return self.name
-        self.lockstep.expect(member)
         self.retired.pop(member, None)
-        self.clients[member] = client
         if member not in self.ever:
             self.ever.append(member)
+        if join is not None and member not in self._joining:
+            self._joining[member] = asyncio.get_running_loop().create_task(self._build(member, join))
         return self.name
 
-    async def step(self, member: str, join: Join | None = None) -> dict[str, Any]:
-        """Ask for ``member``'s next iteration; returns its result once the bucket ran it.
-
-        ``join`` is given on the member's first request: it enters a slot
-        then (fresh, or from ``join.state``)."""
+    async def join(self, member: str, join: Join) -> None:
+        """Build ``member`` into a slot (fresh, or from ``join.state``). A model
+        that cannot be built fails this member only; its trial hears why."""
         self._start()
-        if member in self.parked:
-            await self._unpark(member)
-        if member not in self.lockstep.expected:
-            if member in self.retired:
-                raise MemberError(f"trial {member} was retired from bucket {self.name}; "
-                                  "it cannot train further")
-            raise MemberError(f"trial {member} is not a member of bucket {self.name}")
-        if member not in self.slots:
+        record = self.book.get(member)
+        if record is None or record.phase is not Phase.RESERVED:
+            return
+        task = self._joining.get(member)
+        if task is None:
             if join is None:
-                raise MemberError(f"trial {member} asked bucket {self.name} for an iteration before joining")
-            await self._join(member, join)
-        previous = self._waiters.get(member)
-        if previous is not None and not previous.done():
-            previous.set_exception(MemberError(f"trial {member} asked bucket {self.name} again before its "
-                                               "last request was answered"))
-        future = asyncio.get_running_loop().create_future()
-        self._waiters[member] = future
-        self.lockstep.request(member)
-        self._schedule()
-        return await future
+                raise MemberError(f"member {member} asked bucket {self.name} for a result before joining")
+            task = asyncio.get_running_loop().create_task(self._build(member, join))
+            self._joining[member] = task
+        await asyncio.shield(task)
 
-    async def _join(self, member: str, join: Join) -> None:
-        state = state_io.loads(join.state) if join.state is not None else None
-        async with self._lock:
-            try:
+    async def _build(self, member: str, join: Join) -> None:
+        try:
+            state = state_io.loads(join.state) if join.state is not None else None
+            async with self._lock:
+                if self.book.get(member) is None or self.book.get(member).phase is not Phase.RESERVED:
+                    return  # it left while waiting for the lock
                 slot = await self._in_thread(self.core.add, dict(join.config), join.seed, state)
-            except BaseException:
-                # The factory (or the state) is this trial's problem only: the
-                # bucket stops waiting for it and its other members go on.
-                self._forget(member)
-                self._notify_pool_left(member)
-                raise
-            self._seat(member, slot, "joining")
+                self.book.set_plan(member, join.plan)
+                self.book.place(member, slot, iteration=0 if state is None else int(state["iteration"]),
+                                state=state)
+                if self.book.max_queue == _MAX_QUEUE:
+                    self._size_queue(slot)
+        except Exception as exc:  # noqa: BLE001 - the factory (or state) is this member's problem only
+            logger.warning("%s: member %s could not join: %s", self.name, member, exc)
+            self.book.fail(member, exc)
+            self._resolve(member)
+            self._notify_pool(member, "failed")
+        finally:
+            self._joining.pop(member, None)
         self.metrics.members(self.live, self.core.capacity)
+        self._poke()
 
-    def _seat(self, member: str, slot: int, doing: str, state: bytes | None = None) -> None:
-        """Give ``member`` the core slot just filled for it, unless it left while
-        that was done (waiting for the lock): then no slot may outlive it, and
-        ``state``, if any, is kept for a late save."""
-        if member not in self.lockstep.expected:
-            self.core.retire(slot)
-            if state is not None:
-                self.retired[member] = state
-            raise MemberError(f"trial {member} left bucket {self.name} while {doing} it")
-        self.slots[member] = slot
+    def _size_queue(self, slot: int) -> None:
+        # Every waiting result keeps its member's state: bound what that costs.
+        per_state = max(1, _state_bytes(self.core.member_state(slot)))
+        budget = self.options.ahead_memory_mb * 2**20
+        self.book.max_queue = int(max(1, min(_MAX_QUEUE, budget // (per_state * self.core.capacity))))
+
+    async def set_plan(self, member: str, plan: Plan) -> None:
+        """A plan learnt after the member joined (e.g. its scheduler's rungs)."""
+        record = self.book.get(member)
+        if record is not None and record.phase is not Phase.LEFT:
+            self.book.set_plan(member, plan)
+            self._poke()
 
     async def leave(self, member: str, keep_state: bool = True) -> bool:
-        """``member`` leaves: its slot is freed (its state kept for a late save).
-        Idempotent; returns whether it was here."""
+        """``member``'s trial is gone: its slot (if any) is freed, what it
+        computed and nobody read counts as wasted. Idempotent; returns whether
+        it was here."""
         self._start()
-        known = member in self.lockstep.expected or member in self.parked or member in self.slots
-        self.lockstep.drop(member)
-        waiter = self._waiters.pop(member, None)
-        if waiter is not None and not waiter.done():
-            # A request not yet taken into an iteration: answer it as retired.
-            waiter.set_result({**self.last_metrics.get(member, {}), RETIRED: True, "done": True})
-        state = self.parked.pop(member, None)
-        slot = self.slots.pop(member, None)
-        self.clients.pop(member, None)
-        if slot is not None:
-            self._leaving[member] = slot
-            try:
-                async with self._lock:
-                    slot = self._leaving[member]  # a compaction may have renumbered it meanwhile
-                    if keep_state:
-                        state = await self._in_thread(self._dump, slot)
-                    self.core.retire(slot)
-            finally:
-                self._leaving.pop(member, None)
-        if keep_state and state is not None:
-            self.retired[member] = state
+        record = self.book.get(member)
+        if record is None or record.phase is Phase.LEFT:
+            return False
+        if keep_state and record.state_at_taken is not None:
+            self.retired[member] = record.state_at_taken
             while len(self.retired) > _RETIRED_KEEP:
                 self.retired.popitem(last=False)
-        self.metrics.members(self.live, self.core.capacity)
-        self._schedule()
-        return known
-
-    async def save(self, member: str) -> bytes:
-        """``member``'s portable state (DESIGN D7), serialised."""
-        self._start()
-        if member in self.slots:
-            async with self._lock:
-                if member in self.slots:
-                    return await self._in_thread(self._dump, self.slots[member])
-        if member in self.parked:
-            return self.parked[member]
-        if member in self.retired:
-            return self.retired[member]
-        raise MemberError(f"bucket {self.name} holds no state of trial {member}")
-
-    def _dump(self, slot: int) -> bytes:
-        return state_io.dumps(self.core.member_state(slot))
-
-    def _forget(self, member: str) -> None:
-        self.lockstep.drop(member)
         self.clients.pop(member, None)
-        self.slots.pop(member, None)
-        self.parked.pop(member, None)
-
-    def _notify_pool_left(self, member: str, reason: str | None = None) -> None:
-        if self._pool is not None:
-            self._pool.leave.remote(member, False, reason)
-
-    async def _park(self, member: str) -> None:
-        """Free a member's slot but keep its state, and stop waiting for it."""
-        slot = self.slots.get(member)
-        if slot is None or self._running:
-            return
         async with self._lock:
-            if self.slots.get(member) != slot or member in self.lockstep.requested:
-                return
-            state = await self._in_thread(self._dump, slot)
-            # It may have asked for its next iteration, or left, while its
-            # state was being saved: parking it now would orphan that request.
-            if self.slots.get(member) != slot or member in self.lockstep.requested:
-                return
-            self.core.retire(slot)
-            del self.slots[member]
-            self.parked[member] = state
-            self.lockstep.drop(member)
-        logger.info("%s: parked %s (no request %.1fs after the others)", self.name, member,
-                    self.options.park_after_s)
+            slot = self.book.leave(member)
+            if slot is not None:
+                self.core.retire(slot)
+        self._resolve(member)
         self.metrics.members(self.live, self.core.capacity)
-        self._schedule()
+        self._poke()
+        return True
 
-    async def _unpark(self, member: str) -> None:
-        state = self.parked.pop(member)
-        self.lockstep.expect(member)
-        async with self._lock:
-            decoded = state_io.loads(state)
-            slot = await self._in_thread(self.core.add, decoded["config"], None, decoded)
-            self._seat(member, slot, "rejoining", state)
-        self.metrics.members(self.live, self.core.capacity)
+    async def save(self, member: str) -> bytes | None:
+        """``member``'s portable state at the last result its trial read
+        (docs/design.md D7), serialised; ``None`` before its first result."""
+        self._start()
+        record = self.book.get(member)
+        if record is not None and record.phase is not Phase.LEFT:
+            state = record.state_at_taken
+        elif member in self.retired:
+            state = self.retired[member]
+        else:
+            raise MemberError(f"bucket {self.name} holds no state of member {member}")
+        return None if state is None else state_io.dumps(state)
 
     async def compact(self) -> int | None:
-        """Shrink to the live members between iterations (issue 4): finished
-        slots stop costing compute. Refused (``None``) while a member is
-        reserved but not joined, or parked: each of those needs a slot.
-        Returns the new capacity."""
+        """Shrink to the members in slots, between iterations: finished slots
+        stop costing compute. Refused (``None``) while a member waits to be
+        built. Returns the new capacity."""
         self._start()
-        members = set(self.lockstep.expected) | set(self.parked)
-        if not self.slots or set(self.slots) != members or self.parked or self._leaving:
-            return None
         async with self._lock:
-            # A leave still waiting for the lock holds a slot the core trains:
-            # shrinking now would keep it. Its own leave asks for compaction again.
-            if set(self.slots) != set(self.lockstep.expected) or self.parked or self._leaving:
+            if self.book.reserved() or not self.book.in_slots():
                 return None
+            if len(self.book.in_slots()) == self.core.capacity:
+                return self.core.capacity
             remap = await self._in_thread(self.core.compact)
-            self.slots = {m: remap[slot] for m, slot in self.slots.items()}
-            self._leaving = {m: remap[slot] for m, slot in self._leaving.items()}
-            self.lockstep.capacity = self.core.capacity
+            self.book.renumber(remap)
             self.compactions += 1
         logger.info("%s: compacted to %d slots", self.name, self.core.capacity)
         self.metrics.compacted(self.live, self.core.capacity)
-        self._schedule()
         return self.core.capacity
 
-    # ----- the lockstep iteration -----------------------------------------------------------------
-    def _schedule(self) -> None:
-        if self._running or self._lock is None:
-            return
-        delay = self.lockstep.ready_in()
-        if delay is None:
-            return
-        loop = asyncio.get_running_loop()
-        if delay > 0:
-            if self._timer is None or self._timer.when() > loop.time() + delay + 1e-3:
-                if self._timer is not None:
-                    self._timer.cancel()
-                self._timer = loop.call_later(delay, self._schedule_from_timer)
-            return
-        self._running = True
-        loop.create_task(self._run())
+    def _notify_pool(self, member: str, reason: str) -> None:
+        if self._pool is not None:
+            self._pool.member_out.remote(self.name, member, reason)
 
-    def _schedule_from_timer(self) -> None:
-        self._timer = None
-        self._schedule()
+    # ----- what trials read -----------------------------------------------------------------------
+    async def next_result(self, member: str, join: Join | None = None, client: Any = None) -> dict[str, Any]:
+        """``member``'s next result: at once if computed, else once it is.
 
-    async def _run(self) -> None:
-        try:
-            async with self._lock:
-                if self.lockstep.ready_in() != 0:
-                    return
-                members = self.lockstep.take()
-                start = time.perf_counter()
+        ``join`` is given by a trial on its first request: the member is built
+        then (a member seated by ChorusSearch was built already)."""
+        self._start()
+        record = self.book.get(member)
+        if record is None or record.phase is Phase.LEFT:
+            raise MemberError(f"member {member} is not in bucket {self.name}")
+        if client is not None:
+            self.clients[member] = client
+        if record.phase is Phase.RESERVED:
+            await self.join(member, join)
+        self.book.attach(member)
+        previous = self._waiters.pop(member, None)
+        if previous is not None and not previous.done():
+            previous.set_exception(MemberError(f"member {member} asked bucket {self.name} again before its "
+                                               "last request was answered"))
+        entry = self.book.ask(member)  # raises the member's build error
+        if entry is not None:
+            self._poke()
+            return self._as_read(member, entry)
+        if self.book.exhausted(member):
+            return self._retired_result(member)
+        future = asyncio.get_running_loop().create_future()
+        self._waiters[member] = future
+        self._poke()
+        return await future
+
+    def _as_read(self, member: str, entry) -> dict[str, Any]:
+        record = self.book.get(member)
+        return {**entry.result, rk.AHEAD: len(record.queue), rk.WASTED: self.book.wasted}
+
+    def _retired_result(self, member: str) -> dict[str, Any]:
+        record = self.book.get(member)
+        last = {} if record is None else {rk.ITERATION: record.taken}
+        return {**last, rk.MEMBER: member, rk.BUCKET: self.name, rk.RETIRED: True, "done": True}
+
+    def _resolve(self, member: str) -> None:
+        """Answer ``member``'s waiting trial if there is anything to answer."""
+        waiter = self._waiters.get(member)
+        if waiter is None or waiter.done():
+            self._waiters.pop(member, None)
+            return
+        record = self.book.get(member)
+        if record is None or record.phase is Phase.LEFT:
+            waiter.set_result(self._retired_result(member))
+        elif record.phase is Phase.FAILED:
+            waiter.set_exception(record.error)
+        else:
+            entry = self.book.deliver(member)
+            if entry is not None:
+                waiter.set_result(self._as_read(member, entry))
+            elif self.book.exhausted(member):
+                waiter.set_result(self._retired_result(member))
+            else:
+                return
+        self._waiters.pop(member, None)
+
+    # ----- the training loop ----------------------------------------------------------------------
+    async def _train_loop(self) -> None:
+        while not self._closed.is_set():
+            chosen, wait = self.book.next_iteration(time.monotonic())
+            if not chosen:
+                self._wake.clear()
                 try:
-                    out = await self._in_thread(self.core.run_iteration)
-                except BaseException as exc:  # noqa: BLE001 - every waiter must hear of it
-                    logger.exception("%s: iteration failed", self.name)
-                    for m in members:
-                        waiter = self._waiters.pop(m, None)
-                        if waiter is not None and not waiter.done():
-                            waiter.set_exception(exc)
-                    return
-                seconds = time.perf_counter() - start
-            self._deliver(members, out, seconds)
-        finally:
-            self._running = False
-            self._schedule()
+                    await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                await self._iterate()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                logger.exception("%s: training loop", self.name)
 
-    def _deliver(self, members: list[str], out: dict[int, dict], seconds: float) -> None:
-        self.iterations += 1
-        by_slot = {slot: m for m, slot in self.slots.items()}
-        cohort = {}
-        for slot, metrics in out.items():
-            m = by_slot.get(slot)
-            if m is not None:
-                cohort[m] = {"iteration": metrics.get("iteration"), **_numeric(metrics)}
-        cohort_json = json.dumps(cohort, sort_keys=True)
-        for m in members:
-            waiter = self._waiters.pop(m, None)
-            slot = self.slots.get(m)
-            if waiter is None or waiter.done():
-                continue
-            if slot is None or slot not in out:
-                waiter.set_exception(MemberError(f"trial {m} left bucket {self.name} during its iteration"))
-                continue
-            metrics = dict(out[slot])
-            route, seed = metrics.pop("route", self.core.route), metrics.pop("seed", None)
-            result = {**metrics, "chorus/bucket": self.name, "chorus/slot": slot, "chorus/route": route,
-                      "chorus/live": len(out), "chorus/seed": seed, "chorus/cohort": cohort_json,
-                      "chorus/capacity": self.core.capacity, "chorus/compactions": self.compactions}
-            self.last_metrics[m] = result
-            waiter.set_result(result)
+    async def _iterate(self) -> None:
+        async with self._lock:
+            # Membership may have changed while the lock was held elsewhere.
+            chosen, _ = self.book.next_iteration(time.monotonic(), gather=False)
+            if not chosen:
+                return
+            self.book.started(chosen)
+            members = {r.slot: r.member for r in chosen}
+            start = time.perf_counter()
+            try:
+                out, states = await self._in_thread(self._train, sorted(members))
+            except Exception as exc:  # noqa: BLE001 - every member of the iteration must hear of it
+                logger.exception("%s: iteration failed", self.name)
+                for slot, member in members.items():
+                    self.book.fail(member, exc)
+                    self.core.retire(slot)
+                    self._notify_pool(member, "failed")
+                return
+            seconds = time.perf_counter() - start
+            self.iterations += 1
+            outputs = {members[slot]: (self._result(members[slot], slot, metrics, len(out)), states[slot])
+                       for slot, metrics in out.items()}
+            freed = self.book.record(outputs)
+            for slot in freed:
+                self.core.retire(slot)
+        finished = [m for m in outputs if self.book.get(m).phase is Phase.FINISHED]
+        for member in outputs:
+            self._resolve(member)
+        for member in finished:
+            self._notify_pool(member, "finished")
+        self._report(len(out), seconds)
+
+    def _train(self, slots: list[int]) -> tuple[dict[int, dict], dict[int, dict]]:
+        out = self.core.run_iteration(slots)
+        return out, {slot: self.core.member_state(slot) for slot in out}
+
+    def _result(self, member: str, slot: int, metrics: dict, live: int) -> dict[str, Any]:
+        return {**_numeric(metrics), rk.MEMBER: member, rk.BUCKET: self.name, rk.SLOT: slot,
+                rk.ROUTE: metrics.get("route", self.core.route), rk.LIVE: live,
+                rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions}
+
+    def _report(self, trained: int, seconds: float) -> None:
         steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
         self._steps_seen = self.core.fused_steps
         batch = self._batch_size()
-        self.metrics.iteration(steps, steps * batch * len(out), seconds, self.core.route)
+        self.metrics.iteration(steps, steps * batch * trained, seconds, self.core.route)
         self.metrics.members(self.live, self.core.capacity)
+        logger.info("%s: iteration %d, %d trained, %d/%d live, route=%s, %.3fs, %.0f samples/s, wasted=%d",
+                    self.name, self.iterations, trained, self.live, self.core.capacity, self.core.route,
+                    seconds, steps * batch * trained / seconds if seconds > 0 else 0.0, self.book.wasted)
 
     def _batch_size(self) -> int:
-        for slot in self.slots.values():
+        for record in self.book.in_slots():
             try:
-                return self.core.task.batch_size_for(self.core.config(slot))
+                return self.core.task.batch_size_for(self.core.config(record.slot))
             except KeyError:
                 continue
         return 0
 
-    # ----- never hang (issue 3, "Faults") ---------------------------------------------------------
-    async def _watch(self) -> None:
-        while True:
+    # ----- never hang: reap members whose trial actor died ----------------------------------------
+    async def _reap_loop(self) -> None:
+        while not self._closed.is_set():
             await asyncio.sleep(self.options.reap_interval_s)
             try:
-                await self._check_waits()
-            except Exception:  # noqa: BLE001 - the watchdog must survive anything
-                logger.exception("%s: watchdog", self.name)
+                for member, client in list(self.clients.items()):
+                    if member in self._waiters or client is None:
+                        continue  # a trial waiting for its result is alive
+                    if await self._client_dead(client):
+                        logger.warning("%s: reaping %s: its trial actor died", self.name, member)
+                        self.reaped.append(member)
+                        await self.leave(member, keep_state=False)
+                        self._notify_pool(member, "reaped")
+            except Exception:  # noqa: BLE001 - the reaper must survive anything
+                logger.exception("%s: reaper", self.name)
 
-    async def _check_waits(self) -> None:
-        if self._running or not self.lockstep.requested:
-            return
-        for m in self.lockstep.missing():
-            if await self._client_dead(m):
-                logger.warning("%s: reaping %s: its trial actor died", self.name, m)
-                self.reaped.append(m)
-                await self.leave(m, keep_state=False)
-                self._notify_pool_left(m, "reaped")
-        waited = self.lockstep.waiting_for_s()
-        park_after = self.options.park_after_s
-        if park_after is not None and waited > park_after:
-            for m in self.lockstep.missing():
-                await self._park(m)
-        missing = self.lockstep.missing()
-        if missing and self.lockstep.waiting_for_s() > self.options.lockstep_timeout_s:
-            names = ", ".join(f"{m} ({'slot %d' % self.slots[m] if m in self.slots else 'not joined'})"
-                              for m in missing)
-            error = LockstepTimeout(
-                f"bucket {self.name}: iteration waited {waited:.1f}s (lockstep_timeout_s="
-                f"{self.options.lockstep_timeout_s}) for member(s) that never asked for it: {names}")
-            for m in self.lockstep.take():
-                waiter = self._waiters.pop(m, None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_exception(error)
-
-    async def _client_dead(self, member: str) -> bool:
-        client = self.clients.get(member)
-        if client is None:
-            return False
+    async def _client_dead(self, client: Any) -> bool:
         try:
             ref = client.__ray_ready__.remote()
             await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout=max(1.0, self.options.reap_interval_s))
@@ -415,14 +409,22 @@ class ChorusBucket:
 
     # ----- inspection and closing -----------------------------------------------------------------
     async def describe(self) -> dict[str, Any]:
+        records = self.book.records
         return {
             "name": self.name, "model": self.model_name, "repr": repr(self),
             "capacity": self.core.capacity, "live": self.live,
-            "members": {m: s for m, s in self.slots.items()}, "parked": list(self.parked),
-            "expected": self.lockstep.expected, "ever": list(self.ever), "reaped": list(self.reaped),
+            "members": {m: r.slot for m, r in records.items() if r.in_slot},
+            "phases": {m: r.phase.value for m, r in records.items()},
+            "produced": {m: r.produced for m, r in records.items()},
+            "ever": list(self.ever), "reaped": list(self.reaped),
             "route": self.core.route, "iterations": self.iterations, "fused_steps": self.core.fused_steps,
-            "compactions": self.compactions,
+            "compactions": self.compactions, "wasted": self.book.wasted, "max_queue": self.book.max_queue,
+            "node_id": ray.get_runtime_context().get_node_id(),
         }
+
+    async def drained(self) -> bool:
+        """Nothing left here that a trial could still read (the pool may close it)."""
+        return all(r.drained for r in self.book.records.values())
 
     async def wait_closed(self) -> None:
         """Returns when the bucket closes; raises if it dies (the pool's death watch)."""
@@ -435,8 +437,9 @@ class ChorusBucket:
             if not waiter.done():
                 waiter.set_exception(MemberError(f"bucket {self.name} was closed"))
         self._closed.set()
-        if self._watchdog is not None:
-            self._watchdog.cancel()
+        self._poke()
+        for task in self._tasks:
+            task.cancel()
 
 
 BucketActor = ray.remote(ChorusBucket)

@@ -226,11 +226,12 @@ class MemberBook:
                 and record.produced >= self.limit(record)
                 and (record.plan.budget is None or record.produced < record.plan.budget))
 
-    def next_iteration(self, now: float) -> tuple[list[MemberRecord], float | None]:
+    def next_iteration(self, now: float, gather: bool = True) -> tuple[list[MemberRecord], float | None]:
         """Who trains in the next fused iteration, or how long to wait first.
 
         Returns ``(members, None)`` to run now, ``([], seconds)`` to look again
         after ``seconds`` (gathering), ``([], None)`` when nobody can train.
+        ``gather=False``: who may train now, without waiting for anyone.
         """
         runnable = self.runnable()
         if not runnable:
@@ -240,7 +241,7 @@ class MemberBook:
             self._ready_since = now
         waiting_for = [r for r in self.in_slots() if self._about_to_ask(r)]
         remaining = self._ready_since + self.gather_s - now
-        if waiting_for and remaining > 0:
+        if gather and waiting_for and remaining > 0:
             return [], remaining
         return runnable, None
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from .members import Plan
+
 
 @dataclass(frozen=True)
 class BucketOptions:
@@ -11,32 +13,43 @@ class BucketOptions:
 
     ``bucket_size``: slots per bucket. ``resources_per_bucket``: see
     :mod:`chorus_tune.tune.resources` (``None``: one GPU where there are GPUs,
-    else one CPU). ``route``: ``"auto" | "vmap" | "eager"``. ``gather_s``: how
-    long a bucket with free slots waits after a newcomer for more (trials that
-    Tune starts together then train together from their first iteration).
-    ``park_after_s``: a member that has not asked for the next iteration this
-    long after the others is parked (its state kept, its slot freed) so they
-    go on; it rejoins, unchanged, when it asks (Tune may keep a stopped trial's
-    actor for reuse without telling it). ``None`` never parks.
-    ``lockstep_timeout_s``: a wait that still cannot complete after this long
-    fails, naming the missing members. ``reap_interval_s``: how often a
-    waiting bucket checks that missing members' trial actors are alive.
+    else one CPU). ``route``: ``"auto" | "vmap" | "eager"``.
+
+    How far members train ahead of their trials (docs/design.md D4):
+    ``run_ahead``: iterations a member may compute beyond what its trial has
+    asked for, when decisions are Tune's alone (stock ASHA, HyperBand, PBT,
+    stoppers); a trial Tune stops wastes at most that many. ``0`` is strict
+    lockstep. ``max_iterations``: an iteration budget. Giving it says that
+    nothing but the budget (and ChorusASHA's rungs, which the bucket decides
+    itself) ends a trial early, so members run ahead without bound and no
+    member-iteration is wasted; a trial's last result is then ``done``.
+    ``ahead_memory_mb``: every result waiting for its trial keeps the member's
+    state of that iteration (so a checkpoint is exact); a member stops running
+    ahead when its bucket's waiting states would pass this many MiB.
+
+    ``gather_s``: an iteration waits at most this long for members whose trial
+    is about to ask (trials in step train in one fused iteration); a member
+    whose trial lagged is masked instead, never waited for.
+    ``result_timeout_s``: a trial that waited this long for one result fails,
+    saying so. ``reap_interval_s``: how often a bucket checks that the trial
+    actors reading its members are alive (a dead one's member is dropped).
     ``idle_close_s``: an empty bucket is closed after this long (at once if a
-    waiting trial needs its resources). ``max_buckets``: at most this many
-    buckets at once (``None``: as many as the resources hold). ``compact``:
-    a bucket whose live members fall to half its slots or fewer, with no trial
-    of its key waiting, shrinks to them (finished slots stop costing compute),
-    ``compact_after_s`` after a member left (a trial reusing the leaver's actor
-    rejoins at once, and refills rather than finds the bucket shrunk).
+    waiting member needs its resources). ``max_buckets``: at most this many
+    buckets at once (``None``: as many as the resources hold). ``compact``: a
+    bucket whose live members fall to half its slots or fewer, with no member
+    of its key waiting, shrinks to them ``compact_after_s`` after a member
+    left (a trial reusing the leaver's actor refills the slot instead).
     """
 
     bucket_size: int = 16
     resources_per_bucket: tuple[tuple[str, float], ...] | None = None
     route: str = "auto"
-    gather_s: float = 0.5
-    park_after_s: float | None = 2.0
-    lockstep_timeout_s: float = 600.0
-    reap_interval_s: float = 0.5
+    run_ahead: int = 2
+    max_iterations: int | None = None
+    ahead_memory_mb: float = 1024.0
+    gather_s: float = 0.1
+    result_timeout_s: float = 600.0
+    reap_interval_s: float = 1.0
     idle_close_s: float = 5.0
     max_buckets: int | None = None
     compact: bool = True
@@ -47,6 +60,12 @@ class BucketOptions:
             raise ValueError(f"bucket_size must be positive; got {self.bucket_size}")
         if self.route not in ("auto", "vmap", "eager"):
             raise ValueError(f"route must be 'auto', 'vmap' or 'eager'; got {self.route!r}")
+        if self.run_ahead < 0:
+            raise ValueError(f"run_ahead must be 0 or more; got {self.run_ahead}")
+        if self.max_iterations is not None and self.max_iterations < 1:
+            raise ValueError(f"max_iterations must be positive; got {self.max_iterations}")
+        if self.ahead_memory_mb <= 0:
+            raise ValueError(f"ahead_memory_mb must be positive; got {self.ahead_memory_mb}")
 
     @staticmethod
     def resources(resources_per_bucket: dict | None) -> tuple[tuple[str, float], ...] | None:
@@ -55,15 +74,51 @@ class BucketOptions:
             return None
         return tuple(sorted((str(k), float(v)) for k, v in resources_per_bucket.items()))
 
+    def plan(self, schedule: "RungSchedule | None" = None, budget: int | None = None,
+             stop_at: int | None = None) -> Plan:
+        """The member plan these options give, with a scheduler's rungs if any.
+
+        ``budget``: an iteration budget given elsewhere (ChorusSearch), taking
+        the place of ``max_iterations``. ``stop_at``: a ``training_iteration``
+        stopper known to the run: nothing trains past it, but Tune decides it,
+        so it bounds the run without letting members run ahead of it.
+        """
+        budget = budget if budget is not None else self.max_iterations
+        if schedule is not None:
+            caps = [b for b in (budget, schedule.max_t, stop_at) if b is not None]
+            return Plan(run_ahead=self.run_ahead, budget=min(caps), bucket_decides=True,
+                        rungs=tuple(r for r in schedule.rungs if r < min(caps)),
+                        reduction_factor=schedule.reduction_factor, metric=schedule.metric,
+                        sign=schedule.sign)
+        if budget is not None:
+            if stop_at is not None:
+                budget = min(budget, stop_at)
+            return Plan(run_ahead=self.run_ahead, budget=budget, bucket_decides=True)
+        return Plan(run_ahead=self.run_ahead, budget=stop_at)
+
+
+@dataclass(frozen=True)
+class RungSchedule:
+    """What ChorusASHA lets buckets decide themselves: its rungs (in
+    ``training_iteration``), ``max_t``, and the metric they are judged on
+    (``sign`` is +1 for ``mode="max"``, -1 for ``"min"``)."""
+
+    rungs: tuple[int, ...]
+    max_t: int
+    reduction_factor: float
+    metric: str
+    sign: float
+
 
 @dataclass(frozen=True)
 class Join:
-    """What a trial brings to its bucket on its first request: its config,
-    seed and, when it resumes, its member state (serialised, opaque here)."""
+    """What a member enters its bucket with: its config, seed, plan and,
+    when it resumes, its member state (serialised, opaque here)."""
 
     config: dict = field(hash=False)
     seed: int
     state: bytes | None = None
+    plan: Plan = field(default_factory=Plan)
 
 
 def derived_seed(trial_id: str) -> int:

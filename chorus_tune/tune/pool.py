@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from dataclasses import dataclass
 from typing import Any, Hashable
 
 import ray
@@ -27,7 +28,8 @@ import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
 from .grouping import should_compact
-from .options import BucketOptions
+from .members import Plan
+from .options import BucketOptions, Join
 from .placement import Placed, Placement, Update
 from .resources import bucket_actor_options, bucket_budget, default_bucket_resources
 
@@ -37,6 +39,7 @@ NAMESPACE = "chorus_tune"
 NEED_TASK = "chorus/need-task"
 QUEUED = "chorus/queued"
 _JOB_POLL_S = 2.0
+_DRAIN_POLL_S = 0.2
 
 
 def pool_name(job_id: str | None = None) -> str:
@@ -48,8 +51,30 @@ def task_id(task_blob: bytes) -> str:
     return hashlib.sha256(task_blob).hexdigest()[:16]
 
 
+@dataclass(frozen=True)
+class Reservation:
+    """Where a trial reads its results: its member, that member's seed and plan,
+    and the bucket that holds it (``bucket``/``handle`` are ``None`` while the
+    member waits for a slot: then :meth:`ChorusPool.await_placement`).
+    ``seated``: ChorusSearch seated (and built) the member before the trial
+    existed; otherwise the trial's first request builds it."""
+
+    member: str
+    seed: int
+    plan: Plan
+    bucket: str | None
+    handle: Any
+    seated: bool
+
+
 class ChorusPool:
-    """Maps ``trial_id -> (bucket, slot)``; creates, watches and closes buckets."""
+    """Maps members to buckets, trials to members; creates, watches and closes buckets.
+
+    A *member* is what a bucket trains. A trial reads one member: the member
+    ChorusSearch seated for it before Tune created it (:meth:`seat`, then
+    :meth:`bind`), or one of its own, named by its trial id and built on its
+    first request (:meth:`reserve`).
+    """
 
     def __init__(self, job_id: str):
         self.job_id = job_id
@@ -60,8 +85,13 @@ class ChorusPool:
         self.key_info: dict[Hashable, tuple[str, BucketOptions, str, Hashable]] = {}
         self.clients: dict[str, Any] = {}
         self.history: dict[str, dict] = {}
+        self.seats: dict[str, Join] = {}  # seated members: what they are built from
+        self.failed: dict[str, BaseException] = {}  # seated members whose model cannot be built
+        self.bound: dict[str, str] = {}  # trial id -> seated member it reads
+        self.homes: dict[str, str] = {}  # member -> the bucket holding its records (slot, or results to drain)
+        self.plans: dict[str, Plan] = {}  # trial id -> plan a scheduler announced
         self._waiting: dict[str, asyncio.Future] = {}
-        self.announced: dict[Hashable, int] = {}  # structural key -> trials a searcher holds back
+        self._closing: set[str] = set()
         self._started = False
 
     def _start(self) -> None:
@@ -69,61 +99,115 @@ class ChorusPool:
             self._started = True
             asyncio.get_running_loop().create_task(self._watch_job())
 
-    # ----- trials in ------------------------------------------------------------------------------
-    async def reserve(self, trial_id: str, task_id_: str, task_blob: bytes | None, config: dict,
-                      options: BucketOptions, client: Any = None):
-        """Place ``trial_id`` into a bucket of its structural key and reserve it a
-        slot there; returns ``(bucket name, bucket handle)``, or ``NEED_TASK``
-        when the pool has not seen this task yet (call again with its bytes),
-        or ``QUEUED`` while every bucket of its key is full and no new one fits
-        (then :meth:`await_placement`). Never waits for a slot: Tune calls this
-        from ``setup``/``reset_config``, and a trial blocked there holds Tune's
-        actor bookkeeping (a cached actor that would free the slot is only
-        released once the blocked trial starts). Raises what the model factory
-        raises for ``config``."""
-        self._start()
+    def _learn_task(self, task_id_: str, task_blob: bytes | None) -> bool:
         if task_id_ not in self.tasks:
             if task_blob is None:
-                return NEED_TASK
+                return False
             self.tasks[task_id_] = cloudpickle.loads(task_blob)
             self.blobs[task_id_] = task_blob
+        return True
+
+    def _key(self, task_id_: str, options: BucketOptions, config: dict) -> Hashable:
         if self.placement is None:
             self.placement = Placement(self._budget(options), prefix=f"chorus-bucket-{self.job_id}")
         else:
             # Successive runs in one driver may size their buckets differently.
             self.placement.max_buckets = self._budget(options)
-        # A reservation for a trial already placed is a restart (new actor,
-        # reset, recovery): its old membership is stale.
-        if self.placement.bucket_of(trial_id) is not None or self.placement.is_waiting(trial_id):
-            await self.leave(trial_id)
         task = self.tasks[task_id_]
         skey = task.structural_key(config)  # raises the factory's own error for a bad config
         key = (task_id_, options, skey)
         if key not in self.key_info:
             self.key_info[key] = (task_id_, options, self._model_name(task, config), skey)
+        return key
+
+    # ----- members seated ahead of their trials (ChorusSearch) ------------------------------------
+    async def seat(self, member: str, task_id_: str, task_blob: bytes | None, config: dict, seed: int,
+                   options: BucketOptions, plan: Plan) -> str:
+        """Seat ``member`` in a bucket of its structure now, before any trial
+        reads it: it starts training as soon as it has a slot. Returns
+        ``"seated"``, ``"queued"`` (every bucket of its key is full),
+        ``"failed"`` (its model cannot be built: the trial bound to it fails
+        with the factory's error) or ``NEED_TASK``."""
+        self._start()
+        if not self._learn_task(task_id_, task_blob):
+            return NEED_TASK
+        try:
+            key = self._key(task_id_, options, config)
+        except Exception as exc:  # noqa: BLE001 - the factory's error, for this member's trial
+            self.failed[member] = exc
+            return "failed"
+        self.seats[member] = Join(config=dict(config), seed=int(seed), plan=plan)
+        placed = self.placement.request(member, key, options.bucket_size)
+        if placed is None:
+            return "queued"
+        await self._realize(placed)
+        return "seated"
+
+    async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
+        """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
+        first): one with a bucket before one still waiting for a slot, so the
+        trials Tune runs read results that exist. Returns the member."""
+        known = [m for m in candidates if m in self.seats or m in self.failed]
+        if not known:
+            return None
+        placed = [m for m in known if m in self.homes]
+        member = (placed or known)[0]
+        self.bound[trial_id] = member
+        return member
+
+    # ----- trials in ------------------------------------------------------------------------------
+    async def reserve(self, trial_id: str, task_id_: str, task_blob: bytes | None, config: dict,
+                      options: BucketOptions, client: Any = None, seed: int | None = None):
+        """Where ``trial_id`` reads its results: a :class:`Reservation`, or
+        ``NEED_TASK`` when the pool has not seen this task yet (call again with
+        its bytes). A trial bound to a seated member reads that member; any
+        other gets a member of its own (named by its trial id, seeded with
+        ``seed``), placed in a bucket of its structure. Never waits for a
+        slot: Tune calls this from ``setup``/``reset_config``, and a trial
+        blocked there holds Tune's actor bookkeeping. Raises what the model
+        factory raises for ``config``."""
+        self._start()
+        if not self._learn_task(task_id_, task_blob):
+            return NEED_TASK
         self.clients[trial_id] = client
+        member = self.bound.get(trial_id)
+        if member is not None and member not in self.seats and member not in self.failed:
+            # Its seated member was lost with its bucket: the restarted trial
+            # gets a member of its own (restored from its checkpoint).
+            del self.bound[trial_id]
+            member = None
+        if member is not None:
+            if member in self.failed:
+                raise self.failed[member]
+            seat = self.seats[member]
+            name = self.homes.get(member)
+            return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True)
+        # A reservation for a trial already placed is a restart (new actor,
+        # reset, recovery): its old membership is stale.
+        if trial_id in self.homes or self.placement and self.placement.is_waiting(trial_id):
+            await self.leave(trial_id)
+        key = self._key(task_id_, options, config)
+        plan = self.plans.get(trial_id) or options.plan()
+        seed = int(seed) if seed is not None else 0
         placed = self.placement.request(trial_id, key, options.bucket_size)
         if placed is None:
-            self._waiting[trial_id] = asyncio.get_running_loop().create_future()
             logger.info("pool: %s waits for a bucket (all %s in use)", trial_id, self.placement.max_buckets)
-            return QUEUED
+            return Reservation(trial_id, seed, plan, None, None, False)
         name = await self._realize(placed)
-        return name, self.handles[name]
+        return Reservation(trial_id, seed, plan, name, self.handles[name], False)
 
-    async def await_placement(self, trial_id: str):
-        """``(bucket name, handle)`` of a ``QUEUED`` trial, once it has a slot."""
-        future = self._waiting.get(trial_id)
-        if future is None:
-            name = None if self.placement is None else self.placement.bucket_of(trial_id)
-            if name is None or name not in self.handles:
-                raise RuntimeError(f"trial {trial_id} is neither placed nor waiting for a bucket")
-            return name, self.handles[name]
-        name = await future
+    async def await_placement(self, member: str):
+        """``(bucket name, handle)`` of a member waiting for a slot, once it has one."""
+        name = self.homes.get(member)
+        if name is None:
+            if self.placement is None or not self.placement.is_waiting(member):
+                raise RuntimeError(f"member {member} is neither placed nor waiting for a bucket")
+            future = self._waiting.setdefault(member, asyncio.get_running_loop().create_future())
+            name = await future
         return name, self.handles[name]
 
     async def _realize_waiting(self, placed: Placed) -> None:
-        # The future stays findable until the bucket expects the trial.
-        future = self._waiting.get(placed.trial_id)
+        future = self._waiting.pop(placed.trial_id, None)
         try:
             name = await self._realize(placed)
         except Exception as exc:  # noqa: BLE001 - the waiting trial hears of it
@@ -132,11 +216,10 @@ class ChorusPool:
         else:
             if future is not None and not future.done():
                 future.set_result(name)
-        if self._waiting.get(placed.trial_id) is future:
-            self._waiting.pop(placed.trial_id, None)
 
     async def _realize(self, placed: Placed) -> str:
-        """Make a placement real: create the bucket actor if new, and have it expect the trial."""
+        """Make a placement real: create the bucket actor if new, and have it
+        expect the member (and build it now, when it is seated)."""
         name = placed.bucket
         if placed.opened or name not in self.handles:
             record = self.placement.buckets[name]
@@ -155,7 +238,9 @@ class ChorusPool:
                                   "capacity": record.capacity, "trials": record.ever,
                                   "closed": False, "reaped": []}
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
-        await self.handles[name].expect.remote(placed.trial_id, self.clients.get(placed.trial_id))
+        member = placed.trial_id
+        self.homes[member] = name
+        await self.handles[name].expect.remote(member, self.clients.get(member), self.seats.get(member))
         return name
 
     @staticmethod
@@ -175,58 +260,74 @@ class ChorusPool:
         resources = dict(options.resources_per_bucket or default_bucket_resources(cluster))
         return bucket_budget(cluster, resources)
 
-    # ----- trials out -----------------------------------------------------------------------------
-    async def leave(self, trial_id: str, notify_bucket: bool = True, reason: str | None = None) -> None:
-        """``trial_id`` leaves its bucket (or stops waiting). Idempotent; a no-op
-        for a trial the pool never saw. ``reason`` (e.g. ``"reaped"``) is recorded
-        in the bucket's history."""
+    # ----- plans ------------------------------------------------------------------------------------
+    async def set_plan(self, trial_id: str, plan: Plan) -> None:
+        """A scheduler's plan for ``trial_id`` (ChorusASHA's rungs): used when its
+        member joins, and sent to its bucket if it has joined already."""
+        self.plans[trial_id] = plan
+        member = self.bound.get(trial_id, trial_id)
+        name = self.homes.get(member)
+        if name in self.handles and member not in self.seats:
+            try:
+                await self.handles[name].set_plan.remote(member, plan)
+            except RayActorError:
+                pass
+
+    # ----- members out ----------------------------------------------------------------------------
+    async def leave(self, member: str, notify_bucket: bool = True, reason: str | None = None) -> None:
+        """``member`` (a trial id, or a seated member) is no longer read: it
+        leaves its bucket (or stops waiting). Idempotent; a no-op for a member
+        the pool never saw. ``reason`` (e.g. ``"reaped"``) is recorded in the
+        bucket's history."""
         self._start()
-        if self.placement is None:
-            return
-        future = self._waiting.pop(trial_id, None)
+        self.plans.pop(member, None)
+        member = self.bound.pop(member, member)  # a trial id stands for the member it reads
+        self.seats.pop(member, None)
+        self.failed.pop(member, None)
+        future = self._waiting.pop(member, None)
         if future is not None and not future.done():
-            future.set_exception(RuntimeError(f"trial {trial_id} left before it was placed"))
-        name = self.placement.bucket_of(trial_id)
-        self.clients.pop(trial_id, None)
+            future.set_exception(RuntimeError(f"member {member} left before it was placed"))
+        name = self.homes.pop(member, None)
+        self.clients.pop(member, None)
         if reason is not None and name in self.history:
-            self.history[name].setdefault(reason, []).append(trial_id)
-        update = self.placement.remove(trial_id)
+            self.history[name].setdefault(reason, []).append(member)
+        update = self.placement.remove(member) if self.placement is not None else Update()
         if name is not None and notify_bucket and name in self.handles:
             try:
-                await self.handles[name].leave.remote(trial_id)
+                await self.handles[name].leave.remote(member)
             except RayActorError:
                 pass  # the bucket died: its death watch cleans up
         await self._apply(update)
         if name is not None:
-            # Later, not now: a reset_config leaves and rejoins at once, and a
-            # bucket must not shrink under the trial that refills it.
-            record = self.placement.buckets.get(name)
-            delay = self.key_info[record.key][1].compact_after_s if record is not None else 0.0
-            asyncio.get_running_loop().create_task(self._maybe_compact(name, delay))
+            self._later_compact(name)
 
-    async def set_waiting(self, counts: dict) -> None:
-        """How many trials of each structural key a searcher holds back (ChorusSearch):
-        a bucket that one of them would refill is not compacted."""
-        drained = {k for k, n in self.announced.items() if n > 0 and counts.get(k, 0) <= 0}
-        self.announced = dict(counts)
-        # A bucket whose last leaver found trials still waiting was left as it
-        # was; once none wait, nothing else would ever look at it again.
-        if drained and self.placement is not None:
-            for name, record in list(self.placement.buckets.items()):
-                if record.key[2] in drained:
-                    delay = record.key[1].compact_after_s
-                    asyncio.get_running_loop().create_task(self._maybe_compact(name, delay))
+    async def member_out(self, name: str, member: str, reason: str) -> None:
+        """Bucket ``name`` says ``member`` no longer needs its slot: it
+        ``"finished"`` (its results still drain from the bucket), or ``"failed"``
+        or was ``"reaped"``. The slot goes to a waiting member."""
+        if reason != "finished":
+            self.homes.pop(member, None)
+            if name in self.history:
+                self.history[name].setdefault(reason, []).append(member)
+        if self.placement is None or self.placement.bucket_of(member) != name:
+            return
+        await self._apply(self.placement.remove(member))
+        self._later_compact(name)
+
+    def _later_compact(self, name: str) -> None:
+        # Later, not now: a reset_config leaves and rejoins at once, and a
+        # bucket must not shrink under the member that refills it.
+        record = self.placement.buckets.get(name) if self.placement else None
+        delay = self.key_info[record.key][1].compact_after_s if record is not None else 0.0
+        asyncio.get_running_loop().create_task(self._maybe_compact(name, delay))
 
     async def _maybe_compact(self, name: str, delay_s: float = 0.0) -> None:
         await asyncio.sleep(delay_s)
         record = self.placement.buckets.get(name) if self.placement else None
         handle = self.handles.get(name)
-        if record is None or handle is None:
+        if record is None or handle is None or not record.key[1].compact:
             return
-        if not record.key[1].compact:
-            return
-        skey = record.key[2]
-        waiting = self.announced.get(skey, 0) + self.placement.waiting_for(record.key)
+        waiting = self.placement.waiting_for(record.key)
         if not should_compact(record.capacity, len(record.members), waiting):
             return
         try:
@@ -244,7 +345,7 @@ class ChorusPool:
 
     async def _apply(self, update: Update) -> None:
         for name in update.closed:
-            await self._close_actor(name)
+            asyncio.get_running_loop().create_task(self._close_when_drained(name))
         for placed in update.placed:
             asyncio.get_running_loop().create_task(self._realize_waiting(placed))
         for name in update.idle:
@@ -258,8 +359,26 @@ class ChorusPool:
         record = self.placement.buckets.get(name)
         if record is not None and not record.members:
             _, update = self.placement.close(name)
-            await self._close_actor(name)
             await self._apply(update)
+            await self._close_when_drained(name)
+
+    async def _close_when_drained(self, name: str) -> None:
+        # A bucket whose slots are empty may still hold results its members'
+        # trials have not read: it closes once they have.
+        if name in self._closing:
+            return
+        self._closing.add(name)
+        try:
+            while name in self.handles:
+                try:
+                    if await self.handles[name].drained.remote():
+                        break
+                except RayActorError:
+                    break
+                await asyncio.sleep(_DRAIN_POLL_S)
+            await self._close_actor(name)
+        finally:
+            self._closing.discard(name)
 
     async def _close_actor(self, name: str) -> None:
         handle = self.handles.pop(name, None)
@@ -282,12 +401,16 @@ class ChorusPool:
                 await self._bucket_gone(name, died=True)
 
     async def _bucket_gone(self, name: str, died: bool) -> None:
+        self.handles.pop(name, None)
+        lost = [m for m, home in self.homes.items() if home == name]
+        for member in lost:
+            self.homes.pop(member, None)
+            self.seats.pop(member, None)
+        if name in self.history:
+            self.history[name].update(closed=True, died=died, lost=lost)
         if self.placement is None or name not in self.placement.buckets:
             return
-        members, update = self.placement.close(name)
-        self.handles.pop(name, None)
-        if name in self.history:
-            self.history[name].update(closed=True, died=died, lost=members)
+        _, update = self.placement.close(name)
         await self._apply(update)
 
     async def _watch_job(self) -> None:
@@ -304,9 +427,10 @@ class ChorusPool:
                 ray.actor.exit_actor()
 
     # ----- inspection -----------------------------------------------------------------------------
-    async def bucket_of(self, trial_id: str):
-        """``(bucket name, handle)`` of the trial's bucket, or ``None``."""
-        name = None if self.placement is None else self.placement.bucket_of(trial_id)
+    async def bucket_of(self, member: str):
+        """``(bucket name, handle)`` of the bucket holding ``member`` (a member
+        or a trial id), or ``None``."""
+        name = self.homes.get(self.bound.get(member, member))
         return None if name is None else (name, self.handles.get(name))
 
     async def free_slots(self, structural_key: Hashable) -> int:
@@ -317,13 +441,23 @@ class ChorusPool:
 
     async def stats(self) -> dict[str, dict]:
         """Every bucket this pool opened: model, bucket_size, capacity (less after
-        compaction), the trials it fused (``trials``), its current members, and
-        whether it closed, died or reaped members."""
+        compaction), the members it trained (``trials``), its current members,
+        whether it closed, died or reaped members, and, while it is open, its
+        node, wasted member-iterations, iterations and route."""
         out = {}
         for name, info in self.history.items():
             record = self.placement.buckets.get(name) if self.placement else None
-            out[name] = {**info, "trials": list(info["trials"]), "reaped": list(info.get("reaped", [])),
-                         "members": list(record.members) if record else []}
+            entry = {**info, "trials": list(info["trials"]), "reaped": list(info.get("reaped", [])),
+                     "members": list(record.members) if record else []}
+            handle = self.handles.get(name)
+            if handle is not None:
+                try:
+                    live = await handle.describe.remote()
+                    entry.update({k: live[k] for k in ("node_id", "wasted", "iterations", "route", "max_queue")})
+                    info.update({k: live[k] for k in ("node_id", "wasted", "iterations", "route")})
+                except RayActorError:
+                    pass
+            out[name] = entry
         return out
 
     async def shutdown(self) -> None:
@@ -359,16 +493,6 @@ def retire_trial(trial_id: str, timeout_s: float = 60.0) -> None:
     pool = get_pool(create=False)
     if pool is not None:
         ray.get(pool.leave.remote(trial_id), timeout=timeout_s)
-
-
-def set_waiting(counts: dict) -> None:
-    """Tell this run's pool how many trials of each structural key are held back
-    by a searcher (a bucket they would refill is not compacted)."""
-    if not ray.is_initialized():
-        return
-    pool = get_pool(create=False)
-    if pool is not None:
-        pool.set_waiting.remote(dict(counts))
 
 
 def free_slots(structural_key: Hashable) -> int:

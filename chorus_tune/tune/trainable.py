@@ -1,11 +1,12 @@
-"""ChorusTrainable: a Tune trial that is one member of a fused bucket (DESIGN D1, D3).
+"""ChorusTrainable: a Tune trial that reads one member of a fused bucket (docs/design.md D1, D3).
 
 The trainable is a thin client. It holds no model, data or tensors: the task
 travels as bytes it never unpickles, member states as bytes it only passes on.
-``setup`` reserves a slot in a bucket of the trial's structure (through the
-pool); the first ``step`` joins it (fresh, or from the state a
-``load_checkpoint`` handed over); every ``step`` waits for the bucket's
-lockstep iteration and returns this member's metrics.
+``setup`` finds its member through the pool (seated already by ChorusSearch,
+or one of its own, built on the first ``step`` — fresh, or from the state a
+``load_checkpoint`` handed over). The bucket trains members ahead of their
+trials; every ``step`` takes the member's next result, waiting only if the
+bucket has not computed it yet.
 """
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from typing import Any
 
 import ray
 import ray.cloudpickle as cloudpickle
-from ray.exceptions import RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError
 from ray.tune import Trainable
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
+from . import result_keys as rk
 from .options import BucketOptions, Join, member_seed
-from .pool import NEED_TASK, QUEUED, get_pool, task_id
+from .pool import NEED_TASK, Reservation, get_pool, task_id
 from .resources import FALLBACK_TOKEN_CPU, default_bucket_resources, trial_token_cpu
 
 logger = logging.getLogger(__name__)
@@ -35,20 +37,20 @@ class BucketLost(RuntimeError):
 
 
 class ChorusTrainable(Trainable):
-    """A Tune trainable whose trials train fused, K to a bucket.
+    """A Tune trainable whose trials train fused, K to a bucket, ahead of Tune.
 
     Make one with :meth:`for_task` (preferred: the task then travels to the
     buckets as bytes that trial actors never unpickle), or subclass with a
-    ``task`` class attribute. Class attributes (and ``for_task`` keywords):
-    ``bucket_size``, ``resources_per_bucket``, ``route``, ``gather_s``,
-    ``park_after_s``, ``lockstep_timeout_s``, ``reap_interval_s``,
-    ``idle_close_s``, ``max_buckets``, ``compact``, ``compact_after_s`` (see :class:`BucketOptions`).
+    ``task`` class attribute. Class attributes (and ``for_task`` keywords) are
+    the fields of :class:`BucketOptions`: ``bucket_size``,
+    ``resources_per_bucket``, ``route``, ``run_ahead``, ``max_iterations``,
+    ``ahead_memory_mb``, ``gather_s``, ``result_timeout_s``,
+    ``reap_interval_s``, ``idle_close_s``, ``max_buckets``, ``compact``,
+    ``compact_after_s``.
 
     Every result carries the member's metrics (``train_loss``, ``val_loss``,
-    ``val_accuracy``, ``iteration``) and ``chorus/bucket``, ``chorus/slot``,
-    ``chorus/route``, ``chorus/live``, ``chorus/seed`` and ``chorus/cohort``
-    (JSON: ``{trial_id: {"iteration": ..., metric: value}}`` for every member
-    of the bucket in that same iteration).
+    ``val_accuracy``, ``iteration``) and the ``chorus/*`` fields of
+    :mod:`chorus_tune.tune.result_keys`.
     """
 
     task: Any = None
@@ -56,9 +58,11 @@ class ChorusTrainable(Trainable):
     bucket_size: int = BucketOptions.bucket_size
     resources_per_bucket: dict | None = None
     route: str = BucketOptions.route
+    run_ahead: int = BucketOptions.run_ahead
+    max_iterations: int | None = BucketOptions.max_iterations
+    ahead_memory_mb: float = BucketOptions.ahead_memory_mb
     gather_s: float = BucketOptions.gather_s
-    park_after_s: float | None = BucketOptions.park_after_s
-    lockstep_timeout_s: float = BucketOptions.lockstep_timeout_s
+    result_timeout_s: float = BucketOptions.result_timeout_s
     reap_interval_s: float = BucketOptions.reap_interval_s
     idle_close_s: float = BucketOptions.idle_close_s
     max_buckets: int | None = BucketOptions.max_buckets
@@ -123,6 +127,8 @@ class ChorusTrainable(Trainable):
         self._bucket = None
         self._bucket_name: str | None = None
         self._joined = False
+        self._seated = False
+        self._plan = None
         self._pending_state: bytes | None = None
         self._seed: int | None = None
         self._setup_error: BaseException | None = None
@@ -132,19 +138,22 @@ class ChorusTrainable(Trainable):
         if self._setup_error is not None:
             raise self._setup_error
         if self._bucket is None:
-            # Queued at setup (every bucket of this structure full): wait here,
-            # where Tune expects a trial to take its time.
+            # Waiting for a slot: wait here, where Tune expects a trial to take its time.
             self._bucket_name, self._bucket = ray.get(get_pool(create=True).await_placement.remote(self._member))
         join = None
-        if not self._joined:
-            join = Join(config=self._clean(self.config), seed=self._seed, state=self._pending_state)
+        if not self._joined and not self._seated:
+            join = Join(config=self._clean(self.config), seed=self._seed, state=self._pending_state,
+                        plan=self._plan)
         try:
-            result = ray.get(self._bucket.step.remote(self._member, join))
+            result = ray.get(self._bucket.next_result.remote(self._member, join, self._client()),
+                             timeout=self.result_timeout_s)
         except RayActorError as exc:
             self._lost_bucket(exc)
+        except GetTimeoutError as exc:
+            raise TimeoutError(
+                f"trial {self.trial_id} waited {self.result_timeout_s}s (result_timeout_s) for member "
+                f"{self._member}'s next result from bucket {self._bucket_name}") from exc
         self._joined, self._pending_state = True, None
-        if result.get("chorus/retired"):
-            result["done"] = True
         return result
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict:
@@ -156,7 +165,7 @@ class ChorusTrainable(Trainable):
                 self._lost_bucket(exc)
         return {
             "chorus_format": CHECKPOINT_FORMAT,
-            "member": state,  # bytes (chorus_tune.tune.state_io), or None before the first iteration
+            "member": state,  # bytes (chorus_tune.tune.state_io), or None before the first result
             "factory": self._factory_blob,  # what load_model needs to rebuild the user's module
             "config": self._clean(self.config),
             "seed": self._seed,
@@ -164,16 +173,19 @@ class ChorusTrainable(Trainable):
         }
 
     def load_checkpoint(self, checkpoint: dict) -> None:
-        if self._joined:
-            # Restoring a member that is training: leave and come back with the state.
-            self._leave()
+        if self._joined or self._seated:
+            # Restoring a member that trains (PBT exploit, a seated member):
+            # leave it, dropping its queued results, and come back with the state.
+            self._leave()  # unbinds it from a seated member too: it gets a member of its own
             self._reserve(self.config)
         self._pending_state = checkpoint.get("member")
+        if checkpoint.get("seed") is not None:
+            self._seed = int(checkpoint["seed"])
 
     def reset_config(self, new_config: dict) -> bool:
         # Actor reuse: this actor now serves another trial (Tune already switched trial_id).
         self._leave()
-        self._joined, self._pending_state, self._setup_error = False, None, None
+        self._pending_state, self._setup_error = None, None
         self._reserve(new_config)
         return True
 
@@ -185,38 +197,45 @@ class ChorusTrainable(Trainable):
     def _clean(config: dict) -> dict:
         return {k: v for k, v in config.items() if not k.startswith("__")}
 
+    @staticmethod
+    def _client():
+        try:
+            return ray.get_runtime_context().current_actor
+        except Exception:  # noqa: BLE001 - not in an actor (a local test): no liveness checks
+            return None
+
     def _reserve(self, config: dict) -> None:
         config = self._clean(config)
-        self._member = self.trial_id
-        self._seed = member_seed(config, self._member)
+        self._joined = False
         self._bucket, self._bucket_name = None, None
-        try:
-            client = ray.get_runtime_context().current_actor
-        except Exception:  # noqa: BLE001 - not in an actor (a local test): no liveness checks
-            client = None
         pool = get_pool(create=True)
         options = self.bucket_options()
+        trial = self.trial_id
         try:
-            reply = ray.get(pool.reserve.remote(self._member, self._task_id, None, config, options, client))
+            seed = member_seed(config, trial)
+            args = (trial, self._task_id, None, config, options, self._client(), seed)
+            reply = ray.get(pool.reserve.remote(*args))
             if reply == NEED_TASK:
-                reply = ray.get(pool.reserve.remote(self._member, self._task_id, self._task_blob, config,
-                                                    options, client))
+                reply = ray.get(pool.reserve.remote(trial, self._task_id, self._task_blob, *args[3:]))
         except Exception as exc:  # noqa: BLE001 - e.g. the model factory raised for this config
             # Raised from step(), so that Tune reports it as this trial's error.
             self._setup_error = exc
             return
-        if reply != QUEUED:
-            self._bucket_name, self._bucket = reply
+        assert isinstance(reply, Reservation)
+        self._member, self._seed, self._plan, self._seated = reply.member, reply.seed, reply.plan, reply.seated
+        self._bucket_name, self._bucket = reply.bucket, reply.handle
 
     def _leave(self) -> None:
         member, self._member = self._member, None
-        self._joined = False
+        self._joined, self._seated = False, False
         if member is None:
             return
         try:
             pool = get_pool(create=False)
             if pool is not None:
                 ray.get(pool.leave.remote(member), timeout=_LEAVE_TIMEOUT_S)
+                if member != self.trial_id:
+                    ray.get(pool.leave.remote(self.trial_id), timeout=_LEAVE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - leaving must never fail a trial
             logger.warning("trial %s: leaving its bucket failed: %s", member, exc)
 
@@ -228,7 +247,7 @@ class ChorusTrainable(Trainable):
                 ray.get(pool.bucket_failed.remote(name), timeout=_LEAVE_TIMEOUT_S)
         except Exception:  # noqa: BLE001
             pass
-        self._member, self._joined = None, False
+        self._member, self._joined, self._seated = None, False, False
         raise BucketLost(
             f"bucket {name} holding trial {self.trial_id}'s member died ({type(exc).__name__}); the member's "
             "progress since its last checkpoint is lost. With FailureConfig(max_failures>=1) Tune restarts "
