@@ -137,8 +137,14 @@ class ChorusBucket:
         if member not in self.ever:
             self.ever.append(member)
         if join is not None and member not in self._joining:
-            self._joining[member] = asyncio.get_running_loop().create_task(self._build(member, join))
+            self._start_build(member, join)
         return self.name
+
+    def _start_build(self, member: str, join: Join) -> asyncio.Task:
+        self.book.get(member).building = True
+        task = asyncio.get_running_loop().create_task(self._build(member, join))
+        self._joining[member] = task
+        return task
 
     async def join(self, member: str, join: Join) -> None:
         """Build ``member`` into a slot (fresh, or from ``join.state``). A model
@@ -151,18 +157,19 @@ class ChorusBucket:
         if task is None:
             if join is None:
                 raise MemberError(f"member {member} asked bucket {self.name} for a result before joining")
-            task = asyncio.get_running_loop().create_task(self._build(member, join))
-            self._joining[member] = task
+            task = self._start_build(member, join)
         await asyncio.shield(task)
 
     async def _build(self, member: str, join: Join) -> None:
         try:
             state = state_io.loads(join.state) if join.state is not None else None
             async with self._lock:
-                if self.book.get(member) is None or self.book.get(member).phase is not Phase.RESERVED:
+                record = self.book.get(member)
+                if record is None or record.phase is not Phase.RESERVED:
                     return  # it left while waiting for the lock
                 slot = await self._in_thread(self.core.add, dict(join.config), join.seed, state)
-                self.book.set_plan(member, join.plan)
+                if self.book.get(member).plan == Plan():
+                    self.book.set_plan(member, join.plan)  # unless a scheduler's plan came meanwhile
                 self.book.place(member, slot, iteration=0 if state is None else int(state["iteration"]),
                                 state=state)
                 if self.book.max_queue == _MAX_QUEUE:
@@ -174,6 +181,9 @@ class ChorusBucket:
             self._notify_pool(member, "failed")
         finally:
             self._joining.pop(member, None)
+            record = self.book.get(member)
+            if record is not None:
+                record.building = False
         self.metrics.members(self.live, self.core.capacity)
         self._poke()
 

@@ -196,6 +196,20 @@ class CohortBracket:
         recorded[trial_id] = math.nan if bad else float(score)
         return {trial_id: action}
 
+    @property
+    def milestones(self) -> List[float]:
+        """The rungs, ascending."""
+        return sorted(m for m, _ in self._rungs)
+
+    def record(self, trial_id: str, t: float, score: Optional[float]) -> None:
+        """Record ``trial_id``'s score at the rung ``t`` reaches, decided elsewhere
+        (by its bucket, for its cohort), so that later lone arrivals are judged
+        against it. A no-op where it is recorded already or reaches no rung."""
+        idx = self._target(trial_id, t)
+        if idx is not None:
+            bad = score is None or math.isnan(score)
+            self._rungs[idx][1][trial_id] = math.nan if bad else float(score)
+
     def on_result(
         self,
         trial_id: str,

@@ -109,6 +109,7 @@ class MemberRecord:
     queue: deque = field(default_factory=deque)
     state_at_taken: Any = None  # the member's state at ``taken`` (what a checkpoint saves)
     hold_at: int | None = None  # a rung reached alone: no further until asked beyond it
+    building: bool = False  # its model is being built into a slot right now
     attached: bool = False  # a trial reads this member's results
     lagging: bool = False  # left out of the last iteration while its trial was behind
     wasted: int = 0
@@ -158,14 +159,14 @@ class MemberBook:
         record = self._get(member)
         if record.phase is not Phase.RESERVED:
             raise ValueError(f"member {member} is {record.phase.value}, not reserved")
-        record.phase, record.slot = Phase.TRAINING, slot
+        record.phase, record.slot, record.building = Phase.TRAINING, slot, False
         record.produced = record.asked = record.taken = iteration
         record.state_at_taken = state
         return record
 
     def fail(self, member: str, error: BaseException) -> None:
         record = self._get(member)
-        record.phase, record.error, record.slot = Phase.FAILED, error, None
+        record.phase, record.error, record.slot, record.building = Phase.FAILED, error, None, False
 
     def set_plan(self, member: str, plan: Plan) -> None:
         self._get(member).plan = plan
@@ -236,6 +237,10 @@ class MemberBook:
         runnable = self.runnable()
         if not runnable:
             self._ready_since = None
+            return [], None
+        if any(r.building for r in self.records.values()):
+            # Members being built join this iteration: a cohort seated together
+            # reaches its rungs together.
             return [], None
         if self._ready_since is None:
             self._ready_since = now

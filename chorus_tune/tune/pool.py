@@ -29,7 +29,7 @@ from ray.exceptions import RayActorError
 
 from .grouping import should_compact
 from .members import Plan
-from .options import BucketOptions, Join
+from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
 from .resources import bucket_actor_options, bucket_budget, default_bucket_resources
 
@@ -89,7 +89,7 @@ class ChorusPool:
         self.failed: dict[str, BaseException] = {}  # seated members whose model cannot be built
         self.bound: dict[str, str] = {}  # trial id -> seated member it reads
         self.homes: dict[str, str] = {}  # member -> the bucket holding its records (slot, or results to drain)
-        self.plans: dict[str, Plan] = {}  # trial id -> plan a scheduler announced
+        self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
         self._closing: set[str] = set()
         self._started = False
@@ -121,27 +121,33 @@ class ChorusPool:
         return key
 
     # ----- members seated ahead of their trials (ChorusSearch) ------------------------------------
-    async def seat(self, member: str, task_id_: str, task_blob: bytes | None, config: dict, seed: int,
-                   options: BucketOptions, plan: Plan) -> str:
-        """Seat ``member`` in a bucket of its structure now, before any trial
-        reads it: it starts training as soon as it has a slot. Returns
-        ``"seated"``, ``"queued"`` (every bucket of its key is full),
+    async def seat(self, seats: list[tuple[str, dict, int]], task_id_: str, task_blob: bytes | None,
+                   options: BucketOptions, plan: Plan) -> dict[str, str] | str:
+        """Seat members ``(member, config, seed)`` in buckets of their structure
+        now, before any trial reads them: each starts training as soon as it
+        has a slot. All are placed before any is built, so members seated
+        together train (and reach their rungs) together. Returns, per member,
+        ``"seated"``, ``"queued"`` (every bucket of its key is full) or
         ``"failed"`` (its model cannot be built: the trial bound to it fails
-        with the factory's error) or ``NEED_TASK``."""
+        with the factory's error); or ``NEED_TASK``."""
         self._start()
         if not self._learn_task(task_id_, task_blob):
             return NEED_TASK
-        try:
-            key = self._key(task_id_, options, config)
-        except Exception as exc:  # noqa: BLE001 - the factory's error, for this member's trial
-            self.failed[member] = exc
-            return "failed"
-        self.seats[member] = Join(config=dict(config), seed=int(seed), plan=plan)
-        placed = self.placement.request(member, key, options.bucket_size)
-        if placed is None:
-            return "queued"
-        await self._realize(placed)
-        return "seated"
+        out, placements = {}, []
+        for member, config, seed in seats:
+            try:
+                key = self._key(task_id_, options, config)
+            except Exception as exc:  # noqa: BLE001 - the factory's error, for this member's trial
+                self.failed[member] = exc
+                out[member] = "failed"
+                continue
+            self.seats[member] = Join(config=dict(config), seed=int(seed), plan=plan)
+            placed = self.placement.request(member, key, options.bucket_size)
+            out[member] = "queued" if placed is None else "seated"
+            if placed is not None:
+                placements.append(placed)
+        await asyncio.gather(*(self._realize(p) for p in placements))
+        return out
 
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
         """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
@@ -187,7 +193,7 @@ class ChorusPool:
         if trial_id in self.homes or self.placement and self.placement.is_waiting(trial_id):
             await self.leave(trial_id)
         key = self._key(task_id_, options, config)
-        plan = self.plans.get(trial_id) or options.plan()
+        plan = options.plan(self.plans.get(trial_id))
         seed = int(seed) if seed is not None else 0
         placed = self.placement.request(trial_id, key, options.bucket_size)
         if placed is None:
@@ -261,15 +267,18 @@ class ChorusPool:
         return bucket_budget(cluster, resources)
 
     # ----- plans ------------------------------------------------------------------------------------
-    async def set_plan(self, trial_id: str, plan: Plan) -> None:
-        """A scheduler's plan for ``trial_id`` (ChorusASHA's rungs): used when its
-        member joins, and sent to its bucket if it has joined already."""
-        self.plans[trial_id] = plan
-        member = self.bound.get(trial_id, trial_id)
-        name = self.homes.get(member)
-        if name in self.handles and member not in self.seats:
+    async def set_plan(self, trial_id: str, schedule: RungSchedule) -> None:
+        """ChorusASHA's rungs for ``trial_id``: used when its own member joins,
+        and sent to its bucket if it has joined already. (A seated member knew
+        its rungs when it was seated.)"""
+        self.plans[trial_id] = schedule
+        if trial_id in self.bound or trial_id not in self.homes:
+            return
+        name = self.homes[trial_id]
+        record = self.placement.buckets.get(name) if self.placement else None
+        if record is not None and name in self.handles:
             try:
-                await self.handles[name].set_plan.remote(member, plan)
+                await self.handles[name].set_plan.remote(trial_id, self.key_info[record.key][1].plan(schedule))
             except RayActorError:
                 pass
 

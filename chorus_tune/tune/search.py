@@ -1,7 +1,8 @@
-"""ChorusSearch: a search wrapper that fills buckets with compatible trials (DESIGN.md D10).
+"""ChorusSearch: draws trials ahead of Tune and seats them in buckets at once (docs/design.md D10).
 
-The release/refill policy lives in :mod:`chorus_tune.tune.grouping` (no Ray);
-this module is the Tune plumbing: id maps, the inner searcher, save/restore.
+Grouping by structure and refilling freed slots live in the pool
+(:mod:`chorus_tune.tune.placement`, no Ray); this module is the Tune plumbing:
+drawing ahead, seating, binding trials to members, id maps, save/restore.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import os
 import pickle
 import tempfile
 import uuid
-from typing import Any, Callable, Dict, Hashable, List, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import ray
@@ -19,13 +20,15 @@ import ray.cloudpickle as cloudpickle
 from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.variant_generator import generate_variants
 
-from chorus_tune.tune.grouping import SlotBook
+from . import run_plan
+from .resources import bucket_budget, default_bucket_resources
 
 logger = logging.getLogger(__name__)
 
-# Tune keeps `max_concurrent` trials pending; with no bucket limit, let it ask
-# for as many as the search will release (BasicVariantGenerator allows 200+).
-_UNLIMITED = 10**6
+
+
+def _default_concurrency() -> int:
+    return max(1, int(ray.cluster_resources().get("CPU", 1))) if ray.is_initialized() else (os.cpu_count() or 1)
 
 
 class SpaceSampler(Searcher):
@@ -79,92 +82,106 @@ class SpaceSampler(Searcher):
             self.__dict__.update(cloudpickle.load(f))
 
 
-def _resolve_task(task: Any) -> Any:
-    """The Task behind ``task``: a Task, a ChorusTrainable class, or None."""
-    if task is None or hasattr(task, "structural_key"):
+def _trainable_class(task: Any) -> Any:
+    """The ChorusTrainable class whose members ChorusSearch seats, or None."""
+    if task is None:
+        return None
+    if isinstance(task, type) and getattr(task, "_task_blob", None) is not None:
         return task
-    inner = getattr(task, "task", None)  # a subclass with a `task` attribute
-    if inner is None and getattr(task, "_task_blob", None) is not None:
-        inner = cloudpickle.loads(task._task_blob)  # ChorusTrainable.for_task(...)
-    if inner is None or not hasattr(inner, "structural_key"):
-        raise TypeError(f"task must be a chorus_tune.Task or a ChorusTrainable class; got {task!r}")
-    return inner
+    if isinstance(task, type) and getattr(task, "task", None) is not None:
+        return task
+    raise TypeError(
+        "task must be the ChorusTrainable class you give tune.Tuner (ChorusTrainable.for_task(...) or a "
+        f"subclass with a `task`); got {task!r}")
+
+
+def _stop_iteration(stop: Any) -> Optional[int]:
+    """The ``training_iteration`` a dict stopper ends every trial at, if any."""
+    if isinstance(stop, Mapping) and isinstance(stop.get("training_iteration"), (int, float)):
+        return int(stop["training_iteration"])
+    return None
 
 
 class ChorusSearch(ConcurrencyLimiter):
-    """Hands Tune trials in groups that share a bucket, and refills freed slots.
+    """Seats trials in buckets before Tune asks for them, then hands them to Tune.
 
     Suggestions (from ``searcher``, or sampled from ``param_space`` as Tune's
-    default does when ``searcher`` is None) are held in a buffer grouped by
-    structural key (DESIGN.md D9). Tune receives them so that a bucket of one
-    key fills to ``bucket_size`` before another opens, and a slot freed by a
-    pruned, finished or failed trial goes to the oldest waiting suggestion of
-    the same key. Results and completions reach the inner searcher per trial,
-    under the ids it suggested.
+    default does when ``searcher`` is None) are drawn ``lookahead`` ahead of
+    Tune and **seated at once**: the pool puts each in a bucket of its
+    structure (docs/design.md D9, D10), where it trains — ahead of any trial —
+    as far as its plan allows (docs/design.md D4). When Tune asks for a trial,
+    it is bound to an already seated member (one with a bucket first), so
+    trial actors only read results: a sweep needs about as many trial
+    processes as plain Tune would run (``max_concurrent_trials``, default one
+    per CPU), whatever the bucket size. Results and completions reach the
+    inner searcher per trial, under the ids it suggested.
 
     Args:
         searcher: any Tune ``Searcher`` (e.g. ``OptunaSearch``); None samples
             ``param_space`` itself (grid axes and random distributions).
-        bucket_size: slots per bucket. None: the trainable's own (when
-            ``task`` is a ChorusTrainable class), else 16.
-        max_buckets: at most this many buckets open at once. None: the
-            trainable's ``max_buckets`` when it has one, else no limit.
-            The concurrency Tune sees is ``bucket_size * max_buckets``. Set it
-            with a model-based searcher, so it is asked only as fast as slots
-            free up. (Use this, not ``TuneConfig(max_concurrent_trials=...)``:
-            Tune refuses both.)
-        lookahead: how many suggestions wait in the buffer (default
-            ``bucket_size``), kept topped up while ``num_samples`` lasts: the
-            pool then knows trials of a key are coming and refills a pruned
-            bucket instead of compacting it. Raise it when the space mixes
-            structures (more choice to fill a bucket with); lower it to keep
-            a model-based searcher more adaptive (it is asked that many
-            suggestions ahead of the results).
-        task: what decides the structural key: a ``chorus_tune.Task``, or a
-            ChorusTrainable class (``ChorusTrainable.for_task(...)`` or a
-            subclass with ``task``). Needed because a Searcher never sees the
-            trainable: pass the same class you give ``tune.Tuner``. Without it (and without
-            ``key``) every config counts as one structure.
-        key: instead of ``task``, a function ``config -> hashable key``.
+        task: the ChorusTrainable class you give ``tune.Tuner`` (its task and
+            bucket options are what members are seated with). Without it,
+            nothing is seated: trials join buckets when Tune starts them.
+        max_concurrent_trials: trials Tune runs at once (each is a process
+            that reads results). Default: the cluster's CPUs.
+        max_iterations: an iteration budget for every trial (else the
+            trainable's ``max_iterations``): members then train to it without
+            waiting for their trials. Give it when nothing but the budget ends
+            a trial (FIFO); with ChorusASHA the bucket knows its rungs and
+            ``max_t`` already. A ``stop={"training_iteration": n}`` in the run
+            caps members at ``n`` but is Tune's decision, so it alone does not
+            let them run ahead.
+        lookahead: seated members not yet bound to a trial (default: enough
+            to fill every bucket, plus one bucket more for refills). Lower it
+            to keep a model-based searcher more adaptive (it is asked that
+            many suggestions ahead of the results).
+        max_buckets / bucket_size: default to the trainable's.
         random_state: seed for sampling ``param_space`` (no inner searcher).
 
     Trial count: with any Searcher, Tune creates ``num_samples`` trials in
     all (not ``num_samples`` times the grid, as its default generator does).
     The sampler walks the whole grid, then walks it again with new random
     draws: set ``num_samples`` to the grid size times the repeats you want.
+    Pass ``TuneConfig(reuse_actors=True)``: a trial actor then serves trial
+    after trial (each new one costs about 1.3 CPU-s of imports).
     """
 
     def __init__(
         self,
         searcher: Optional[Searcher] = None,
+        task: Any = None,
+        max_concurrent_trials: Optional[int] = None,
+        max_iterations: Optional[int] = None,
+        lookahead: Optional[int] = None,
         bucket_size: Optional[int] = None,
         max_buckets: Optional[int] = None,
-        lookahead: Optional[int] = None,
-        task: Any = None,
-        key: Optional[Callable[[Dict], Hashable]] = None,
         random_state: Optional[int] = None,
     ):
-        # A trainable class knows its own bucket size and bucket limit.
-        if bucket_size is None:
-            bucket_size = getattr(task, "bucket_size", None) or 16
-        if max_buckets is None and isinstance(getattr(task, "max_buckets", None), int):
-            max_buckets = task.max_buckets
-        self._book = SlotBook(bucket_size, max_buckets)  # validates the sizes
+        self._trainable = _trainable_class(task)
+        options = self._trainable.bucket_options() if self._trainable is not None else None
+        self._options = options
+        self.bucket_size = bucket_size or (options.bucket_size if options else 16)
+        self.max_buckets = max_buckets if max_buckets is not None else (options.max_buckets if options else None)
+        if max_iterations is not None and max_iterations < 1:
+            raise ValueError(f"max_iterations must be positive; got {max_iterations}")
+        if max_concurrent_trials is not None and max_concurrent_trials < 1:
+            raise ValueError(f"max_concurrent_trials must be positive; got {max_concurrent_trials}")
         inner = searcher if searcher is not None else SpaceSampler(random_state)
-        max_concurrent = bucket_size * max_buckets if max_buckets else _UNLIMITED
-        super().__init__(inner, max_concurrent=max_concurrent)
+        super().__init__(inner, max_concurrent=max_concurrent_trials or _default_concurrency())
         self._own_sampler = searcher is None
-        self._task = _resolve_task(task) if key is None else None
-        self._key_fn = key if key is not None else getattr(self._task, "structural_key", None)
-        self.lookahead = max(1, lookahead if lookahead is not None else bucket_size)
+        self._concurrency_given = max_concurrent_trials is not None
+        self.max_iterations = max_iterations
+        self._lookahead_given = lookahead
+        self.lookahead = max(1, lookahead) if lookahead is not None else 2 * self.bucket_size
         self._prefix = f"chorus_{uuid.uuid4().hex[:6]}_"
         self._pulled = 0                 # suggestions taken from the inner searcher
         self._budget: Optional[int] = None  # num_samples: never pull more
         self._exhausted = False          # the inner searcher said FINISHED
-        self._inner_id: Dict[str, str] = {}    # Tune trial id -> inner id
-        self._key_of: Dict[str, Hashable] = {}  # Tune trial id -> structural key
-        self._unstarted: Dict[str, Hashable] = {}  # released, no result yet
-        self._pool_ready = False  # this process made sure the pool exists
+        self._stop_at: Optional[int] = None
+        self._unbound: List[Tuple[str, Dict]] = []  # seated (or held) suggestions, oldest first
+        self._inner_id: Dict[str, str] = {}    # Tune trial id -> inner id (= member id)
+        self._configs: Dict[str, Dict] = {}    # inner id -> config, while its trial runs
+        self._seated_here = False  # members of _unbound/_inner_id are seated in this driver's pool
 
     # -- Tune's side ---------------------------------------------------------
     def set_search_properties(
@@ -173,6 +190,10 @@ class ChorusSearch(ConcurrencyLimiter):
         num_samples = spec.get("num_samples")
         if isinstance(num_samples, int) and num_samples > 0:
             self._budget = num_samples
+        self._stop_at = _stop_iteration(spec.get("stop"))
+        run_plan.clear()  # ChorusASHA, if it runs, announces its rungs next
+        if ray.is_initialized():
+            self._size_for_cluster()
         ok = super().set_search_properties(metric, mode, config, **spec)
         if self._own_sampler and self._budget and self.searcher.grid_size > 1 \
                 and self._budget % self.searcher.grid_size:
@@ -184,27 +205,27 @@ class ChorusSearch(ConcurrencyLimiter):
         return ok
 
     def suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:
-        waiting = self._next()
-        if waiting is None:
-            if (self._exhausted or self._budget_spent()) and not self._book.waiting:
+        if len(self.live_trials) >= self.max_concurrent:
+            return None
+        if not self._seated_here:
+            self._reseat()
+        self._top_up()
+        if not self._unbound:
+            if self._exhausted or self._budget_spent():
                 return Searcher.FINISHED
             return None
-        self._inner_id[trial_id] = waiting.item_id
-        self._key_of[trial_id] = waiting.key
-        self._unstarted[trial_id] = waiting.key
+        item_id = self._bind(trial_id)
+        config = self._configs[item_id]
+        self._inner_id[trial_id] = item_id
         self.live_trials.add(trial_id)
         self.num_unfinished_live_trials += 1
         self._top_up()
-        self._publish()
-        return copy.deepcopy(waiting.config)
+        return copy.deepcopy(config)
 
     def on_trial_result(self, trial_id: str, result: Dict) -> None:
         inner = self._inner_id.get(trial_id)
-        if inner is None:
-            return
-        if self._unstarted.pop(trial_id, None) is not None:
-            self._publish()
-        self.searcher.on_trial_result(inner, result)
+        if inner is not None:
+            self.searcher.on_trial_result(inner, result)
 
     def on_trial_complete(
         self, trial_id: str, result: Optional[Dict] = None, error: bool = False
@@ -212,13 +233,9 @@ class ChorusSearch(ConcurrencyLimiter):
         inner = self._inner_id.pop(trial_id, None)
         if inner is None:
             return
-        # Free the slot first: an inner searcher that raises must not leave
-        # the slot taken for ever (the search would wait on it).
-        self._book.complete(self._key_of.pop(trial_id))
-        self._unstarted.pop(trial_id, None)
+        self._configs.pop(inner, None)
         self.live_trials.discard(trial_id)
         self.num_unfinished_live_trials -= 1
-        self._publish()
         self.searcher.on_trial_complete(inner, result=result, error=error)
 
     def on_pause(self, trial_id: str) -> None:
@@ -232,101 +249,106 @@ class ChorusSearch(ConcurrencyLimiter):
             self.searcher.on_unpause(inner)
 
     # -- views ---------------------------------------------------------------
-    def waiting_by_key(self) -> Dict[Hashable, int]:
-        """Trials of each key still to join a bucket: held back, or released
-        to Tune but with no result yet. What the compaction rule needs."""
-        counts = self._book.waiting_by_key()
-        for key in self._unstarted.values():
-            counts[key] = counts.get(key, 0) + 1
-        return counts
+    @property
+    def unbound(self) -> List[str]:
+        """Ids of the suggestions drawn (and seated) that no trial reads yet, oldest first."""
+        return [item for item, _ in self._unbound]
 
     @property
-    def book(self) -> SlotBook:
-        """The release/refill bookkeeping (read-only use)."""
-        return self._book
+    def seating(self) -> bool:
+        """Whether this search seats members (it knows the trainable, and Ray runs)."""
+        return self._trainable is not None and ray.is_initialized()
 
-    # -- the buffer ----------------------------------------------------------
+    # -- drawing and seating -------------------------------------------------
+    def _size_for_cluster(self) -> None:
+        cluster = ray.cluster_resources()
+        if not self._concurrency_given:
+            self.max_concurrent = max(1, int(cluster.get("CPU", 1)))
+        if self._lookahead_given is None and self._options is not None:
+            per_bucket = dict(self._options.resources_per_bucket or default_bucket_resources(cluster))
+            buckets = self.max_buckets or bucket_budget(cluster, per_bucket)
+            self.lookahead = self.bucket_size * (buckets + 1)
+
     def _budget_spent(self) -> bool:
         return self._budget is not None and self._pulled >= self._budget
 
-    def _next(self):
-        busy = False  # the inner searcher said "not now" during this call
-        while True:
-            waiting = self._book.release(allow_new=False)  # refill first
-            if waiting is not None:
-                return waiting
-            if (busy or self._exhausted or self._budget_spent()
-                    or len(self._book.waiting) >= self.lookahead):
-                return self._book.release(allow_new=True)
-            if self._pull() is None:
-                busy = True
-
     def _top_up(self) -> None:
-        """Keep ``lookahead`` suggestions waiting while the budget lasts.
-
-        So that the pool knows trials of a key are still coming: a bucket
-        whose members were just pruned is then refilled, not compacted (the
-        STOP retires members before Tune asks for the refill).
-        """
+        """Keep ``lookahead`` suggestions drawn and seated while the budget lasts."""
+        drawn = []
         while (not self._exhausted and not self._budget_spent()
-               and len(self._book.waiting) < self.lookahead):
-            if self._pull() is None:
-                return
+               and len(self._unbound) < self.lookahead):
+            pulled = self._pull()
+            if pulled is None:
+                break
+            drawn.append(pulled)
+        self._seat(drawn)  # in one go: seated together, they train together
 
-    def _pull(self) -> Optional[bool]:
-        """One suggestion from the inner searcher into the buffer.
-
-        True: got one; False: the inner searcher is finished; None: not now.
-        """
+    def _pull(self) -> Optional[Tuple[str, Dict]]:
         item_id = f"{self._prefix}{self._pulled:05d}"
         config = self.searcher.suggest(item_id)
         if config == Searcher.FINISHED:
             self._exhausted = True
-            return False
+            return None
         if config is None:
             return None
         self._pulled += 1
-        self._book.add(item_id, config, self._structural_key(item_id, config))
-        return True
+        self._unbound.append((item_id, config))
+        self._configs[item_id] = config
+        return item_id, config
 
-    def _structural_key(self, item_id: str, config: Dict) -> Hashable:
-        if self._key_fn is None:
-            return None
-        try:
-            return self._key_fn(config)
-        except Exception:
-            # The factory fails for this config: give it a key of its own, so
-            # it starts alone and Tune reports the factory's error for it.
-            logger.debug("structural key failed for %s", item_id, exc_info=True)
-            return ("chorus/unbuildable", item_id)
+    def _plan(self):
+        budget = self.max_iterations
+        return self._options.plan(run_plan.announced(), budget=budget, stop_at=self._stop_at)
 
-    def _publish(self) -> None:
-        """Tell the pool how many trials of each key are on their way.
-
-        The pool's compaction rule (``grouping.should_compact``) must not
-        shrink a bucket that a waiting trial would refill. Sent on every
-        change (a release, a first result, a completion): the pool may not
-        exist yet when the first trials are released. Guarded: without a pool
-        module (or a pool) nobody needs the numbers.
-        """
-        counts = {k: v for k, v in self.waiting_by_key().items() if v}
-        try:
-            from chorus_tune.tune.pool import get_pool, set_waiting
-        except ImportError:
+    def _seat(self, drawn: List[Tuple[str, Dict]]) -> None:
+        if not self.seating or not drawn:
             return
-        try:
-            if self._task is not None and not self._pool_ready and ray.is_initialized():
-                # A chorus sweep: start the pool now, so it hears the counts
-                # before the first cohort is pruned (ChorusASHA retires
-                # members before Tune tells the search about that result).
-                get_pool(create=True)
-                self._pool_ready = True
-            set_waiting(counts)
-        except Exception:
-            logger.debug("pool.set_waiting failed", exc_info=True)
+        from .options import member_seed
+        from .pool import NEED_TASK, get_pool
+
+        trainable = self._trainable
+        pool = get_pool(create=True)
+        seats = []
+        for item_id, config in drawn:
+            clean = {k: v for k, v in config.items() if not k.startswith("__")}
+            # The seed is fixed now, before any trial exists: chorus/seed reports
+            # it, and reference.train(task, config, seed) replays the member.
+            seats.append((item_id, clean, member_seed(clean, item_id)))
+        args = [seats, trainable._task_id, None, self._options, self._plan()]
+        if ray.get(pool.seat.remote(*args)) == NEED_TASK:
+            args[2] = trainable._task_blob
+            ray.get(pool.seat.remote(*args))
+
+    def _bind(self, trial_id: str) -> str:
+        candidates = self.unbound
+        chosen = None
+        if self.seating:
+            from .pool import get_pool
+
+            chosen = ray.get(get_pool(create=True).bind.remote(trial_id, candidates))
+        if chosen is None:
+            chosen = candidates[0]
+        self._unbound = [(i, c) for i, c in self._unbound if i != chosen]
+        return chosen
+
+    def _reseat(self) -> None:
+        """Seat what this search holds in this driver's pool: after a restore,
+        the pool is new (its buckets died with the old driver)."""
+        self._seated_here = True
+        if not self.seating:
+            return
+        from .pool import get_pool
+
+        # Trials Tune created but that have not finished are re-seated with
+        # their seeds (a checkpoint one resumes from replaces the seated state).
+        running = [(item_id, self._configs[item_id]) for item_id in self._inner_id.values()]
+        self._seat(running + list(self._unbound))
+        pool = get_pool(create=True)
+        for trial_id, item_id in self._inner_id.items():
+            ray.get(pool.bind.remote(trial_id, [item_id]))
 
     # -- save / restore ------------------------------------------------------
-    _NOT_SAVED = ("searcher", "_task", "_key_fn", "_pool_ready")
+    _NOT_SAVED = ("searcher", "_trainable", "_seated_here")
 
     def get_state(self) -> Dict:
         state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_SAVED}
@@ -334,7 +356,7 @@ class ChorusSearch(ConcurrencyLimiter):
 
     def set_state(self, state: Dict) -> None:
         self.__dict__.update(state)
-        self._pool_ready = False
+        self._seated_here = False
 
     def save(self, checkpoint_path: str) -> None:
         """Buffer, id maps and the inner searcher's own state, in one file."""

@@ -223,6 +223,7 @@ class ChorusTrainable(Trainable):
             return
         assert isinstance(reply, Reservation)
         self._member, self._seed, self._plan, self._seated = reply.member, reply.seed, reply.plan, reply.seated
+        self._reserved_for = trial  # reset_config switches trial_id before this trial leaves
         self._bucket_name, self._bucket = reply.bucket, reply.handle
 
     def _leave(self) -> None:
@@ -234,8 +235,9 @@ class ChorusTrainable(Trainable):
             pool = get_pool(create=False)
             if pool is not None:
                 ray.get(pool.leave.remote(member), timeout=_LEAVE_TIMEOUT_S)
-                if member != self.trial_id:
-                    ray.get(pool.leave.remote(self.trial_id), timeout=_LEAVE_TIMEOUT_S)
+                trial = getattr(self, "_reserved_for", member)
+                if member != trial:  # unbind the trial from its seated member too
+                    ray.get(pool.leave.remote(trial), timeout=_LEAVE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - leaving must never fail a trial
             logger.warning("trial %s: leaving its bucket failed: %s", member, exc)
 
