@@ -7,8 +7,8 @@ This script trains the same K digits MLPs (64 -> width -> 10, batch 64, Adam
 with a different lr per member, weight decay 0) on the same data with both and
 times them side by side in one process, interleaved (the side that goes first
 alternates), best of ``--repeats``. The ratio is chorus-torch time / chorus_tune
-time: above 1, chorus_tune is faster. Targets (issue 5): >= 1.0x at K=16 and
->= 1.5x at K=64.
+time: above 1, chorus_tune is faster. Targets (docs/design.md, "Targets, and
+where they stand"): >= 1.0x at K=16 and >= 1.5x at K=64.
 
 Set-up (chorus-torch is never a dependency of chorus_tune)
 --------------------------------------------------------

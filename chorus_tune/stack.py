@@ -21,7 +21,7 @@ Tensors = dict[str, torch.Tensor]
 
 
 def structural_key(task, config: dict) -> tuple:
-    """Who may share a bucket (DESIGN D9): same class, parameter and buffer
+    """Who may share a bucket (docs/design.md D9): same class, parameter and buffer
     names/shapes/dtypes, batch size, optimizer family, loss and data.
 
     The model is built on the ``meta`` device: no memory, no initialisation
