@@ -132,19 +132,32 @@ def fit_timed(way: str, trainable, tune_config, space: dict, args) -> Outcome:
     return Outcome(way, wall, len(results), best, reached)
 
 
-def run_chorus(task: ct.Task, space: dict, args) -> Outcome:
+def run_chorus(task: ct.Task, space: dict, args, lockstep: bool = False) -> Outcome:
+    """(b) with its defaults: members train ahead of their trials (FIFO: to the
+    budget the user gives ChorusSearch; ASHA: ChorusASHA's rungs). ``lockstep``:
+    (b0), ``run_ahead=0`` with a trial process per slot, as chorus_tune ran
+    before members trained ahead of their trials."""
     from ray import tune
 
     from chorus_tune import ChorusASHA, ChorusSearch, ChorusTrainable
 
-    trainable = ChorusTrainable.for_task(task, bucket_size=args.bucket_size, max_buckets=args.max_buckets)
+    trainable = ChorusTrainable.for_task(task, bucket_size=args.bucket_size, max_buckets=args.max_buckets,
+                                         run_ahead=0 if lockstep else 2)
+    search = ChorusSearch(
+        task=trainable,
+        max_iterations=None if lockstep or args.scheduler == "asha" else args.epochs,
+        max_concurrent_trials=args.bucket_size * fused_parallelism(args) if lockstep else None)
     tune_config = tune.TuneConfig(
         # With a Searcher, Tune's num_samples counts every trial (not passes over the grid).
-        metric=METRIC, mode=MODE, search_alg=ChorusSearch(task=trainable), num_samples=args.trials,
+        metric=METRIC, mode=MODE, search_alg=search, num_samples=args.trials,
         reuse_actors=True,  # as (a): a pruned trial's actor serves the next trial
         scheduler=(ChorusASHA(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor)
                    if args.scheduler == "asha" else None))
-    return fit_timed("chorus", trainable, tune_config, space, args)
+    return fit_timed("lockstep" if lockstep else "chorus", trainable, tune_config, space, args)
+
+
+def run_lockstep(task: ct.Task, space: dict, args) -> Outcome:
+    return run_chorus(task, space, args, lockstep=True)
 
 
 def make_task(workload: str, batch_size: int) -> ct.Task:
@@ -222,8 +235,8 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ways = [w for w in ("plain", "chorus", "fused") if w in rows[0]["median_wall_s"]]
-    colors = {"plain": "#888", "chorus": "#2a7", "fused": "#27a"}
+    ways = [w for w in ("plain", "chorus", "lockstep", "fused") if w in rows[0]["median_wall_s"]]
+    colors = {"plain": "#888", "chorus": "#2a7", "lockstep": "#a72", "fused": "#27a"}
     width = 0.8 / len(ways)
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 3.8))
     for j, way in enumerate(ways):
@@ -244,7 +257,7 @@ def measure(workload: str, bucket_size: int, args) -> dict:
     task = make_task(workload, args.batch_size)
     space = sweep(args.trials)
     args = argparse.Namespace(**{**vars(args), "workload": workload, "bucket_size": bucket_size})
-    runners = {"plain": run_plain, "chorus": run_chorus, "fused": run_fused}
+    runners = {"plain": run_plain, "chorus": run_chorus, "lockstep": run_lockstep, "fused": run_fused}
     ways = args.ways.split(",")
     outcomes: dict[str, list[Outcome]] = {w: [] for w in ways}
     print(f"{workload}, bucket {bucket_size}:", flush=True)
@@ -267,17 +280,19 @@ def measure(workload: str, bucket_size: int, args) -> dict:
         row["plain_over_chorus"] = median["plain"] / median["chorus"]
     if "chorus" in median and "fused" in median:
         row["chorus_over_fused"] = median["chorus"] / median["fused"]
+    if "plain" in median and "lockstep" in median:
+        row["plain_over_lockstep"] = median["plain"] / median["lockstep"]
     return row
 
 
 def print_table(rows: list[dict]) -> None:
     ways = list(rows[0]["median_wall_s"])
     head = f"{'workload':14} {'bucket':>6} " + " ".join(f"{w + ' s':>9} {'best':>6}" for w in ways)
-    print(head + f" {'(a)/(b)':>8} {'(b)/(c)':>8}")
+    print(head + f" {'(a)/(b)':>8} {'(b)/(c)':>8} {'(a)/(b0)':>8}")
     for row in rows:
         cells = " ".join(f"{row['median_wall_s'][w]:9.1f} {row['best'][w]:6.3f}" for w in ways)
         ratios = " ".join(f"{row[k]:7.2f}x" if k in row else f"{'-':>8}"
-                          for k in ("plain_over_chorus", "chorus_over_fused"))
+                          for k in ("plain_over_chorus", "chorus_over_fused", "plain_over_lockstep"))
         print(f"{row['workload']:14} {row['bucket_size']:6d} {cells} {ratios}")
 
 
@@ -295,7 +310,8 @@ def main() -> None:
                         help="asha: ASHA (grace 1) in (a), ChorusASHA in (b), cohort halving in (c)")
     parser.add_argument("--reduction-factor", type=float, default=4)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--ways", default="plain,chorus,fused")
+    parser.add_argument("--ways", default="plain,chorus,lockstep,fused",
+                        help="plain (a), chorus (b), lockstep (b0: run_ahead=0), fused (c)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--gpu-trials", type=int, default=16, help="(a) on CUDA: trials sharing the GPU")
     parser.add_argument("--out", default="benchmarks/results")

@@ -199,3 +199,19 @@ def test_plan_refuses_nonsense():
         Plan(bucket_decides=True)
     with pytest.raises(ValueError, match="metric"):
         Plan(rungs=(1,), budget=4, bucket_decides=True)
+
+
+def test_a_member_reserved_for_a_starting_trial_is_waited_for_once():
+    book = book_with(Plan(run_ahead=0), 1, gather_s=1.0)
+    book.attach("m0")
+    book.ask("m0")
+    book.reserve("late", Plan(run_ahead=0))  # its trial is starting: it will join any moment
+    chosen, wait = book.next_iteration(now=0.0)
+    assert chosen == [] and wait == pytest.approx(1.0)
+    chosen, _ = book.next_iteration(now=1.0)
+    book.started(chosen)
+    assert book.get("late").lagging  # it never came: not waited for again
+    book.record({"m0": ({"iteration": 1}, None)})
+    book.deliver("m0")
+    book.ask("m0")
+    assert [r.member for r in book.next_iteration(now=1.1)[0]] == ["m0"]

@@ -1,9 +1,7 @@
 """ChorusTrainable through tune.Tuner: fidelity, result fields, placement, checkpoints, errors."""
 from __future__ import annotations
 
-import json
 import os
-from collections import defaultdict
 
 import pytest
 import ray
@@ -11,7 +9,8 @@ import torch
 from ray import tune
 
 from chorus_tune import reference
-from chorus_tune.tune import ChorusTrainable, bucket_stats, load_model, retire_trial
+from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats, load_model, retire_trial
+from chorus_tune.tune import result_keys as rk
 from tune_support import digits_task, history, mlp, picky_mlp, run_config, start_ray
 
 
@@ -34,7 +33,8 @@ def test_grid_matches_reference_per_trial_and_iteration(tmp_path):
     trainable = ChorusTrainable.for_task(task, bucket_size=8)
     space = {"lr": tune.grid_search([0.02, 0.05, 0.1, 0.3]), "weight_decay": tune.grid_search([0.0, 1e-3]),
              "momentum": 0.5, "seed": 7}
-    results = _fit(trainable, space, tmp_path, iterations=3)
+    results = _fit(trainable, space, tmp_path, iterations=3, num_samples=8, reuse_actors=True,
+                   search_alg=ChorusSearch(task=trainable))
     assert len(results) == 8 and not results.errors
     for result in results:
         config = {k: result.config[k] for k in ("lr", "weight_decay", "momentum", "seed")}
@@ -43,25 +43,29 @@ def test_grid_matches_reference_per_trial_and_iteration(tmp_path):
         assert len(got) == 3
         torch.testing.assert_close(torch.tensor(got), torch.tensor([h["val_loss"] for h in expected]),
                                    rtol=1e-5, atol=1e-6)
-    # The eight trials were fused: they shared one bucket, all live together.
+    # The eight trials were fused: seated together in one bucket, they trained
+    # together as far as run_ahead let them go without their trials.
     assert len({r.metrics["chorus/bucket"] for r in results}) == 1
-    assert {r.metrics["chorus/live"] for r in results} == {8}
+    first_two = {live for r in results for live in r.metrics_dataframe.sort_values("training_iteration")
+                 ["chorus/live"].iloc[:2]}
+    assert first_two == {8}
 
 
-def test_every_result_carries_chorus_fields_and_its_cohort(tmp_path):
+def test_every_result_carries_the_chorus_fields(tmp_path):
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4)
     results = _fit(trainable, {"lr": tune.grid_search([0.05, 0.1, 0.2])}, tmp_path, iterations=2)
-    ids = {r.metrics["trial_id"] for r in results}
     for result in results:
+        frame = result.metrics_dataframe
+        for key in (rk.MEMBER, rk.BUCKET, rk.SLOT, rk.ROUTE, rk.LIVE, rk.CAPACITY, rk.SEED, rk.COMPACTIONS,
+                    rk.AHEAD, rk.WASTED):
+            assert key in frame, key
         m = result.metrics
-        assert isinstance(m["chorus/bucket"], str) and m["chorus/bucket"].startswith("chorus-bucket-")
-        assert isinstance(m["chorus/slot"], int) and m["chorus/route"] in ("vmap", "eager")
-        assert m["chorus/live"] == 3
-        assert isinstance(m["chorus/seed"], int)
-        cohort = json.loads(m["chorus/cohort"])
-        assert set(cohort) == ids
-        assert cohort[m["trial_id"]]["val_loss"] == pytest.approx(m["val_loss"])
-        assert cohort[m["trial_id"]]["iteration"] == 2
+        assert m[rk.MEMBER] == m["trial_id"]  # no ChorusSearch: each trial has a member of its own
+        assert m[rk.BUCKET].startswith("chorus-bucket-") and m[rk.ROUTE] in ("vmap", "eager")
+        assert isinstance(m[rk.SLOT], int) and isinstance(m[rk.SEED], int)
+        assert 1 <= m[rk.LIVE] <= 3 and m[rk.CAPACITY] == 4
+        # O(K) per result: nothing names the bucket-mates.
+        assert not any(k.startswith("chorus/cohort") and k not in (rk.COHORT_SIZE, rk.COHORT_RANK) for k in frame)
 
 
 def test_seed_without_config_seed_is_derived_from_trial_id_and_reproducible(tmp_path):
@@ -140,20 +144,23 @@ def test_retire_trial_is_idempotent_and_safe_for_unknown_trials():
 
 def test_bucket_compacts_as_members_finish_and_the_survivor_stays_on_its_trajectory(tmp_path):
     task = digits_task()
-    trainable = ChorusTrainable.for_task(task, bucket_size=4, compact_after_s=0.0)
+    # run_ahead=0: the survivor trains on only as its trial asks, so the bucket
+    # compacts (after the others leave) before the survivor is done.
+    trainable = ChorusTrainable.for_task(task, bucket_size=4, compact_after_s=0.0, run_ahead=0)
     tuner = tune.Tuner(
-        trainable, param_space={"epochs": tune.grid_search([1, 1, 2, 4]), "lr": 0.1, "seed": 6},
+        trainable, param_space={"epochs": tune.grid_search([1, 1, 2, 8]), "lr": 0.1, "seed": 6},
         tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
         run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0,
                                   stop=lambda trial_id, result: result["training_iteration"]
                                   >= result["config"]["epochs"]))
     results = tuner.fit()
     assert not results.errors
-    survivor = next(r for r in results if r.config["epochs"] == 4)
+    survivor = next(r for r in results if r.config["epochs"] == 8)
     frame = survivor.metrics_dataframe.sort_values("training_iteration")
-    assert frame["chorus/capacity"].iloc[0] == 4 and frame["chorus/capacity"].iloc[-1] < 4
-    assert frame["chorus/compactions"].iloc[-1] >= 1
-    expected, _ = reference.train(task, {"lr": 0.1, "seed": 6, "epochs": 4}, seed=6, iterations=4)
+    assert frame["chorus/capacity"].iloc[0] == 4
+    stats = bucket_stats()[survivor.metrics["chorus/bucket"]]
+    assert stats["capacity"] < 4 and stats["compactions"] >= 1
+    expected, _ = reference.train(task, {"lr": 0.1, "seed": 6, "epochs": 8}, seed=6, iterations=8)
     assert history(survivor) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)
 
 

@@ -270,6 +270,8 @@ class ChorusBucket:
             self.clients[member] = client
         if record.phase is Phase.RESERVED:
             await self.join(member, join)
+        if record.phase is Phase.LEFT:  # its trial left while it was being built
+            return self._retired_result(member)
         self.book.attach(member)
         previous = self._waiters.pop(member, None)
         if previous is not None and not previous.done():

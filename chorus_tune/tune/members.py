@@ -159,7 +159,7 @@ class MemberBook:
         record = self._get(member)
         if record.phase is not Phase.RESERVED:
             raise ValueError(f"member {member} is {record.phase.value}, not reserved")
-        record.phase, record.slot, record.building = Phase.TRAINING, slot, False
+        record.phase, record.slot, record.building, record.lagging = Phase.TRAINING, slot, False, False
         record.produced = record.asked = record.taken = iteration
         record.state_at_taken = state
         return record
@@ -212,7 +212,8 @@ class MemberBook:
         """The iteration ``record`` may be computed up to now."""
         plan = record.plan
         limit = math.inf if plan.budget is None else plan.budget
-        if not plan.bucket_decides:
+        if not plan.bucket_decides or plan.run_ahead == 0:
+            # run_ahead=0 is strict lockstep, whatever the bucket knows.
             limit = min(limit, record.asked + plan.run_ahead)
         if record.hold_at is not None:
             limit = min(limit, record.hold_at)
@@ -222,8 +223,15 @@ class MemberBook:
         return [r for r in self.in_slots() if r.phase is Phase.TRAINING and r.produced < self.limit(r)]
 
     def _about_to_ask(self, record: MemberRecord) -> bool:
+        if record.lagging:
+            return False
+        if record.phase is Phase.RESERVED:
+            # Placed for a trial that Tune has just started: its first request
+            # (which builds it) is moments away; trials started together then
+            # train together from their first iteration.
+            return not record.building
         # Blocked only because its (live, keeping-up) trial has not asked yet.
-        return (record.phase is Phase.TRAINING and record.attached and not record.lagging
+        return (record.phase is Phase.TRAINING and record.attached
                 and record.produced >= self.limit(record)
                 and (record.plan.budget is None or record.produced < record.plan.budget))
 
@@ -244,7 +252,7 @@ class MemberBook:
             return [], None
         if self._ready_since is None:
             self._ready_since = now
-        waiting_for = [r for r in self.in_slots() if self._about_to_ask(r)]
+        waiting_for = [r for r in self.records.values() if self._about_to_ask(r)]
         remaining = self._ready_since + self.gather_s - now
         if gather and waiting_for and remaining > 0:
             return [], remaining
@@ -255,7 +263,7 @@ class MemberBook:
         trial was behind are lagging (never waited for, until they catch up)."""
         self._ready_since = None
         chosen = {r.member for r in trained}
-        for record in self.in_slots():
+        for record in self.records.values():
             if record.member in chosen:
                 record.lagging = False
             elif self._about_to_ask(record):

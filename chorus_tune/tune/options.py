@@ -28,8 +28,9 @@ class BucketOptions:
     ahead when its bucket's waiting states would pass this many MiB.
 
     ``gather_s``: an iteration waits at most this long for members whose trial
-    is about to ask (trials in step train in one fused iteration); a member
-    whose trial lagged is masked instead, never waited for.
+    is about to ask, or about to join (trials in step, or started together,
+    train in one fused iteration); a member whose trial lagged is masked
+    instead, never waited for, until it catches up.
     ``result_timeout_s``: a trial that waited this long for one result fails,
     saying so. ``reap_interval_s``: how often a bucket checks that the trial
     actors reading its members are alive (a dead one's member is dropped).
@@ -47,7 +48,7 @@ class BucketOptions:
     run_ahead: int = 2
     max_iterations: int | None = None
     ahead_memory_mb: float = 1024.0
-    gather_s: float = 0.1
+    gather_s: float = 0.5
     result_timeout_s: float = 600.0
     reap_interval_s: float = 1.0
     idle_close_s: float = 5.0

@@ -1,0 +1,282 @@
+"""The bucket actor, driven directly (in this process, on one event loop).
+
+A bucket trains its members ahead of their trials and answers joins, leaves,
+saves and compactions while an iteration runs in its worker thread. These
+tests hold the worker thread at a chosen point (a ``Gate``) so that each
+interleaving happens every time, and compare every result with
+``reference.train``.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+import ray.cloudpickle as cloudpickle
+
+from chorus_tune import reference
+from chorus_tune.tune import result_keys as rk
+from chorus_tune.tune import state_io
+from chorus_tune.tune.bucket_actor import ChorusBucket, MemberError
+from chorus_tune.tune.members import Plan
+from chorus_tune.tune.options import BucketOptions, Join
+from tune_support import digits_task, local_ray  # noqa: F401  (module-scoped Ray: metrics need one)
+
+CONFIGS = {m: {"lr": 0.05 * (i + 1), "seed": i} for i, m in enumerate("abcd")}
+RTOL = 1e-5
+
+
+class Gate:
+    """Wraps a function the bucket calls in its worker thread; holds each call until opened."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def __call__(self, *args):
+        self.entered.set()
+        assert self.opened.wait(30), "gate never opened"
+        return self.fn(*args)
+
+    async def reached(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, 30), "the bucket never reached the gate"
+
+
+def make_bucket(capacity: int, **options) -> ChorusBucket:
+    options = BucketOptions(bucket_size=capacity, **{"gather_s": 0.0, "reap_interval_s": 60.0, **options})
+    return ChorusBucket("test-bucket", cloudpickle.dumps(digits_task()), options, "Sequential")
+
+
+def join(member: str, plan: Plan) -> Join:
+    return Join(CONFIGS[member], CONFIGS[member]["seed"], plan=plan)
+
+
+async def seat(bucket: ChorusBucket, members: str, plan: Plan) -> None:
+    """Members seated ahead of any trial, as the pool seats ChorusSearch's."""
+    await asyncio.gather(*(bucket.expect(m, None, join(m, plan)) for m in members))
+
+
+async def until(predicate, timeout: float = 60.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+def reference_history(member: str, iterations: int) -> list[dict]:
+    history, _ = reference.train(digits_task(), CONFIGS[member], seed=CONFIGS[member]["seed"],
+                                 iterations=iterations)
+    return history
+
+
+def test_members_train_to_their_budget_before_any_trial_reads_them():
+    async def scenario():
+        bucket = make_bucket(2)
+        await seat(bucket, "ab", Plan(budget=4, bucket_decides=True))
+        await until(lambda: all(r.produced == 4 for r in bucket.book.records.values()))
+        return bucket, [await bucket.next_result("a") for _ in range(4)]
+
+    bucket, results = asyncio.run(scenario())
+    assert bucket.iterations == 4
+    assert [r[rk.AHEAD] for r in results] == [3, 2, 1, 0]
+    assert results[-1]["done"] is True
+    for ours, theirs in zip(results, reference_history("a", 4)):
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL)
+
+
+def test_a_save_after_result_t_holds_the_member_at_t_though_the_bucket_is_ahead():
+    async def scenario():
+        bucket = make_bucket(2)
+        await seat(bucket, "ab", Plan(budget=5, bucket_decides=True))
+        await until(lambda: bucket.book.get("a").produced == 5)
+        await bucket.next_result("a")
+        second = await bucket.next_result("a")
+        return second, state_io.loads(await bucket.save("a"))
+
+    second, state = asyncio.run(scenario())
+    assert second["iteration"] == 2 and second[rk.AHEAD] == 3
+    assert state["iteration"] == 2
+    # Resumed from that state, the member continues the reference trajectory.
+    from chorus_tune import Bucket
+
+    resumed = Bucket(digits_task(), 1)
+    slot = resumed.add(None, state=state)
+    out = resumed.run_iteration()[slot]
+    assert out["iteration"] == 3
+    assert out["val_loss"] == pytest.approx(reference_history("a", 3)[-1]["val_loss"], rel=RTOL)
+
+
+def test_run_ahead_bounds_how_far_a_member_trains_past_what_its_trial_read():
+    async def scenario():
+        bucket = make_bucket(1)
+        await seat(bucket, "a", Plan(run_ahead=2))
+        await until(lambda: bucket.book.get("a").produced == 2)
+        await asyncio.sleep(0.2)
+        before = bucket.book.get("a").produced
+        await bucket.next_result("a")
+        await until(lambda: bucket.book.get("a").produced == 3)
+        return before
+
+    assert asyncio.run(scenario()) == 2
+
+
+def test_a_straggler_is_masked_and_its_bucket_mates_go_on():
+    async def scenario():
+        bucket = make_bucket(3, gather_s=0.05)
+        await seat(bucket, "abc", Plan(run_ahead=0))
+        reads = {m: [] for m in "abc"}
+        for _ in range(4):  # "c"'s trial never asks
+            for m, result in zip("ab", await asyncio.gather(bucket.next_result("a"), bucket.next_result("b"))):
+                reads[m].append(result)
+        assert bucket.book.get("c").produced == 0
+        reads["c"].append(await bucket.next_result("c"))  # the straggler catches up, on its own trajectory
+        return reads
+
+    reads = asyncio.run(scenario())
+    for m in "ab":
+        assert [r["iteration"] for r in reads[m]] == [1, 2, 3, 4]
+        assert all(r[rk.LIVE] == 2 for r in reads[m])
+        for ours, theirs in zip(reads[m], reference_history(m, 4)):
+            assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL)
+    assert reads["c"][0]["iteration"] == 1
+    assert reads["c"][0]["val_loss"] == pytest.approx(reference_history("c", 1)[0]["val_loss"], rel=RTOL)
+
+
+def test_a_cohort_at_a_rung_is_halved_in_the_bucket_and_the_stopped_train_no_further():
+    plan = Plan(budget=3, bucket_decides=True, rungs=(1,), reduction_factor=4, metric="val_loss", sign=-1.0)
+
+    async def scenario():
+        bucket = make_bucket(4)
+        await seat(bucket, "abcd", plan)
+        await until(lambda: all(r.produced in (1, 3) for r in bucket.book.records.values())
+                    and any(r.produced == 3 for r in bucket.book.records.values()))
+        return bucket, {m: await bucket.next_result(m) for m in "abcd"}
+
+    bucket, first = asyncio.run(scenario())
+    losses = {m: reference_history(m, 1)[0]["val_loss"] for m in "abcd"}
+    best = min(losses, key=losses.get)
+    assert {m for m, r in first.items() if r[rk.DECISION] == "CONTINUE"} == {best}
+    assert all(r[rk.COHORT_SIZE] == 4 for r in first.values())
+    assert {m: bucket.book.get(m).produced for m in "abcd"} == {m: 3 if m == best else 1 for m in "abcd"}
+    assert bucket.book.wasted == 0
+
+
+def test_leaving_counts_the_results_nobody_read_as_wasted():
+    async def scenario():
+        bucket = make_bucket(1)
+        await seat(bucket, "a", Plan(run_ahead=2))
+        await until(lambda: bucket.book.get("a").produced == 2)
+        await bucket.next_result("a")
+        await until(lambda: bucket.book.get("a").produced == 3)
+        await bucket.leave("a")
+        return bucket
+
+    bucket = asyncio.run(scenario())
+    assert bucket.book.wasted == 2 and (await_describe(bucket))["wasted"] == 2
+
+
+def await_describe(bucket: ChorusBucket) -> dict:
+    return asyncio.run(bucket.describe())
+
+
+def test_a_leave_during_an_iteration_frees_its_slot_after_it_and_harms_nobody():
+    async def scenario():
+        bucket = make_bucket(2)
+        gate = Gate(bucket._train)
+        bucket._train = gate
+        await seat(bucket, "ab", Plan(budget=2, bucket_decides=True))
+        await gate.reached()                       # iteration 1 holds the lock
+        leaving = asyncio.create_task(bucket.leave("a"))
+        await asyncio.sleep(0.05)
+        gate.opened.set()
+        await leaving
+        return bucket, [await bucket.next_result("b") for _ in range(2)]
+
+    bucket, results = asyncio.run(scenario())
+    assert len(bucket.core.live_slots) == 0 and bucket.book.get("a").phase.value == "left"
+    assert [r[rk.LIVE] for r in results] == [2, 1]
+    for ours, theirs in zip(results, reference_history("b", 2)):
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL)
+
+
+def test_a_member_whose_trial_leaves_while_it_is_built_leaves_no_slot_behind():
+    async def scenario():
+        bucket = make_bucket(2)
+        gate = Gate(bucket.core.add)
+        bucket.core.add = gate
+        await bucket.expect("a")
+        reading = asyncio.create_task(bucket.next_result("a", join("a", Plan(run_ahead=1))))
+        await gate.reached()                       # a's model is being built...
+        await bucket.leave("a")                    # ...when its trial goes away
+        gate.opened.set()
+        return bucket, await reading
+
+    bucket, result = asyncio.run(scenario())
+    assert result[rk.RETIRED] and result["done"]
+    assert bucket.core.live_slots == []
+
+
+def test_a_compaction_waits_for_the_running_iteration_and_renumbers_slots():
+    async def scenario():
+        bucket = make_bucket(4)
+        await seat(bucket, "abcd", Plan(run_ahead=0))
+        await asyncio.gather(*(bucket.next_result(m) for m in "abcd"))
+        await bucket.leave("a")
+        await bucket.leave("c")
+        gate = Gate(bucket._train)
+        bucket._train = gate
+        second = asyncio.gather(bucket.next_result("b"), bucket.next_result("d"))
+        await gate.reached()
+        compaction = asyncio.create_task(bucket.compact())
+        await asyncio.sleep(0.05)
+        gate.opened.set()
+        b2, d2 = await second
+        capacity = await compaction
+        b3, d3 = await asyncio.gather(bucket.next_result("b"), bucket.next_result("d"))
+        return bucket, capacity, b3, d3
+
+    bucket, capacity, b3, d3 = asyncio.run(scenario())
+    assert capacity == 2 and bucket.core.capacity == 2
+    assert sorted(r.slot for r in bucket.book.in_slots()) == [0, 1]
+    assert b3["iteration"] == d3["iteration"] == 3 and b3[rk.CAPACITY] == 2
+    assert b3["val_loss"] == pytest.approx(reference_history("b", 3)[-1]["val_loss"], rel=RTOL)
+    assert d3["val_loss"] == pytest.approx(reference_history("d", 3)[-1]["val_loss"], rel=RTOL)
+
+
+def test_a_member_whose_model_cannot_be_built_fails_alone_with_the_factorys_error():
+    async def scenario():
+        bucket = make_bucket(2)
+        await seat(bucket, "a", Plan(budget=2, bucket_decides=True))
+        bad = Join({"lr": 0.1, "width": -3}, 0, plan=Plan(budget=2, bucket_decides=True))
+        await bucket.expect("x", None, bad)
+        with pytest.raises(RuntimeError, match="negative dimension|-3"):
+            await bucket.next_result("x")
+        return [await bucket.next_result("a") for _ in range(2)]
+
+    results = asyncio.run(scenario())
+    for ours, theirs in zip(results, reference_history("a", 2)):
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL)
+
+
+def test_a_second_request_before_the_first_is_answered_fails_the_first_rather_than_orphaning_it():
+    async def scenario():
+        bucket = make_bucket(1)
+        await seat(bucket, "a", Plan(run_ahead=0))
+        gate = Gate(bucket._train)
+        bucket._train = gate
+        first = asyncio.create_task(bucket.next_result("a"))
+        await gate.reached()
+        second = asyncio.create_task(bucket.next_result("a"))
+        await asyncio.sleep(0.05)
+        gate.opened.set()
+        with pytest.raises(MemberError, match="again before its last request was answered"):
+            await asyncio.wait_for(first, timeout=30)
+        return await asyncio.wait_for(second, timeout=30)
+
+    assert asyncio.run(scenario())["iteration"] == 1
+
+
+def test_repr_holds_only_what_never_changes():
+    bucket = make_bucket(3)
+    assert repr(bucket) == "ChorusBucket(Sequential, 3 slots, cpu)"

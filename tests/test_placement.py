@@ -1,0 +1,59 @@
+"""Which bucket a member goes to (Ray-free: the pool actor is an adapter over Placement)."""
+from __future__ import annotations
+
+from chorus_tune.tune.placement import Placement
+
+
+def test_a_bucket_fills_to_capacity_before_another_of_its_key_opens():
+    p = Placement(max_buckets=4)
+    placed = [p.request(f"t{i}", "k", 3) for i in range(5)]
+    assert [x.bucket for x in placed] == ["chorus-bucket-1"] * 3 + ["chorus-bucket-2"] * 2
+    assert [x.opened for x in placed] == [True, False, False, True, False]
+
+
+def test_different_keys_never_share_a_bucket():
+    p = Placement()
+    a, b = p.request("t1", "k1", 4), p.request("t2", "k2", 4)
+    assert a.bucket != b.bucket and p.free_slots("k1") == 3
+
+
+def test_freed_slot_is_refilled_by_the_same_key():
+    p = Placement(max_buckets=1)
+    p.request("t1", "k", 2)
+    p.request("t2", "k", 2)
+    assert p.request("t3", "k", 2) is None and p.is_waiting("t3")
+    update = p.remove("t1")
+    assert [(x.trial_id, x.bucket) for x in update.placed] == [("t3", "chorus-bucket-1")]
+
+
+def test_over_budget_trial_waits_then_takes_the_budget_of_an_emptied_bucket():
+    p = Placement(max_buckets=1)
+    p.request("t1", "k1", 2)
+    assert p.request("t2", "k2", 2) is None
+    update = p.remove("t1")
+    assert update.closed == ["chorus-bucket-1"]
+    assert [(x.trial_id, x.opened) for x in update.placed] == [("t2", True)]
+
+
+def test_empty_bucket_with_no_one_waiting_stays_open_as_idle():
+    p = Placement()
+    p.request("t1", "k", 2)
+    update = p.remove("t1")
+    assert update.idle == ["chorus-bucket-1"] and not update.closed
+
+
+def test_remove_is_idempotent_and_safe_for_unknown_trials():
+    p = Placement()
+    assert p.remove("nobody").placed == []
+    p.request("t1", "k", 2)
+    p.remove("t1")
+    assert p.remove("t1").placed == [] and p.bucket_of("t1") is None
+
+
+def test_closing_a_dead_bucket_returns_its_trials_and_places_waiters():
+    p = Placement(max_buckets=1)
+    p.request("t1", "k", 1)
+    p.request("t2", "k", 1)
+    members, update = p.close("chorus-bucket-1")
+    assert members == ["t1"] and p.bucket_of("t1") is None
+    assert [(x.trial_id, x.bucket, x.opened) for x in update.placed] == [("t2", "chorus-bucket-2", True)]

@@ -1,0 +1,58 @@
+"""How buckets and trials share a cluster's resources, and member seeds (Ray-free)."""
+from __future__ import annotations
+
+import pytest
+
+from chorus_tune.tune.options import BucketOptions, RungSchedule, derived_seed, member_seed
+from chorus_tune.tune.resources import (bucket_actor_options, bucket_budget, default_bucket_resources,
+                                        trial_token_cpu)
+
+
+def test_cpu_only_cluster_gets_one_bucket_per_core_and_a_token_per_slot():
+    cluster = {"CPU": 2.0}
+    per_bucket = default_bucket_resources(cluster)
+    assert per_bucket == {"CPU": 1.0} and bucket_budget(cluster, per_bucket) == 2
+    token = trial_token_cpu(cluster, per_bucket, bucket_size=8)
+    assert token == 0.125 and 16 * token <= 2.0
+    assert bucket_actor_options(per_bucket) == {"num_cpus": 0, "num_gpus": 0.0}
+
+
+def test_gpu_cluster_claims_whole_gpus_and_fractions_share_a_card():
+    cluster = {"CPU": 16.0, "GPU": 2.0}
+    assert default_bucket_resources(cluster) == {"GPU": 1.0, "CPU": 1.0}
+    assert bucket_budget(cluster, {"GPU": 0.5, "CPU": 1}) == 4
+    assert bucket_actor_options({"GPU": 0.5, "CPU": 1})["num_gpus"] == 0.5
+
+
+def test_token_never_rounds_to_zero():
+    assert trial_token_cpu({"CPU": 1.0}, {"CPU": 1.0}, bucket_size=100000) == pytest.approx(1e-4)
+
+
+def test_member_seed_is_the_config_seed_else_stable_per_trial():
+    assert member_seed({"seed": 9}, "abc_00001") == 9
+    assert member_seed({}, "abc_00001") == derived_seed("abc_00001") == member_seed({}, "abc_00001")
+    assert derived_seed("abc_00001") != derived_seed("abc_00002")
+
+
+def test_a_budget_the_user_gives_lets_members_run_ahead_to_it():
+    plan = BucketOptions(max_iterations=10).plan()
+    assert plan.bucket_decides and plan.budget == 10
+
+
+def test_a_stopper_caps_members_but_tune_still_decides_it():
+    plan = BucketOptions(run_ahead=3).plan(stop_at=10)
+    assert not plan.bucket_decides and plan.budget == 10 and plan.run_ahead == 3
+
+
+def test_chorus_asha_rungs_below_the_budget_are_decided_in_the_bucket():
+    schedule = RungSchedule(rungs=(1, 4, 16), max_t=20, reduction_factor=4, metric="val_loss", sign=-1.0)
+    plan = BucketOptions().plan(schedule, stop_at=10)
+    assert plan.bucket_decides and plan.budget == 10 and plan.rungs == (1, 4)
+    assert plan.metric == "val_loss" and plan.sign == -1.0
+
+
+def test_bad_run_ahead_options_are_refused():
+    with pytest.raises(ValueError, match="run_ahead"):
+        BucketOptions(run_ahead=-1)
+    with pytest.raises(ValueError, match="max_iterations"):
+        BucketOptions(max_iterations=0)
