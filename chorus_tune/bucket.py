@@ -3,13 +3,15 @@ from __future__ import annotations
 
 import secrets
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from . import losses
+from .capacity import describe_memory, is_out_of_memory, release_memory
 from .data import BatchOrder, SharedBatches, eval_batches, first_batch
 from .optim import StackedOptimizer, hyperparameters, scheduled_lr
 from .stack import MemberStack, mean_loss, module_key
@@ -24,6 +26,53 @@ STATE_FORMAT = 1
 # attributes) is off by the size of the activations.
 _PROBE_RTOL, _PROBE_ATOL = 1e-3, 1e-5
 _TIMING_REPEATS = 5
+_PROBE_RAN_OUT = "the route probe ran out of memory even one member at a time: eager (always correct)"
+
+
+class MemberOutOfMemory(RuntimeError):
+    """Members that ran out of memory in :meth:`Bucket.run_iteration` even
+    trained one at a time.
+
+    Raised only once the iteration's other members have completed: their
+    metrics are in ``results`` (``{slot: metrics}``; with ``slots`` it covers
+    every slot the iteration was asked for, each once). Each failed member is
+    left in its slot exactly as it was when the iteration started (parameters,
+    buffers, optimizer state, batch order, counters), so the caller fails just
+    that member by retiring it, or moves it with ``member_state`` to a bucket
+    with more room, and keeps the rest. ``slot`` is the first of ``slots``.
+    """
+
+    def __init__(self, message: str, slots: tuple[int, ...], results: dict[int, dict[str, Any]]):
+        super().__init__(message)
+        self.slots = tuple(slots)
+        self.slot = self.slots[0]
+        self.results = results
+
+    def __reduce__(self):  # an actor's exception crosses processes pickled
+        return type(self), (str(self), self.slots, self.results)
+
+
+@dataclass
+class _Snapshot:
+    rows: list[int] | None  # None: every row
+    tensors: list[torch.Tensor]  # stack tensors, then optimizer tensors
+    without_buffer: set[int]
+
+
+@dataclass
+class _Plan:
+    """One iteration's inputs, drawn once: every attempt at it (the fused one,
+    then smaller groups after an out-of-memory error) trains each member on the
+    same batches and learning rates it would have had."""
+
+    live: list[int]
+    steps: int
+    lr: torch.Tensor  # (steps, capacity)
+    index: torch.Tensor | None  # (steps, capacity, batch) rows of the tensor data, or None: shared batches
+    orders: dict[int, dict]  # each member's batch order at the start, for members that end up not training
+    # Shared-batch mode: the iteration's batches, kept (host memory, one
+    # iteration's worth) so that a group retried after an error sees the same ones.
+    tape: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -50,6 +99,12 @@ class Bucket:
     ``route`` is ``"auto"`` (check vmap against an eager loop on a probe batch,
     fall back to eager on any mismatch or error, else keep the faster),
     ``"vmap"`` or ``"eager"``.
+
+    Out of memory (DESIGN D13): an iteration that runs out is put back and
+    finished in smaller groups (see :meth:`run_iteration`). ``max_group`` is the
+    group size that then worked (``None``: never ran out), used directly by
+    later iterations; set it back to ``None`` to try every member at once
+    again. ``oom_recoveries`` counts the out-of-memory errors survived.
     """
 
     def __init__(self, task: Task, capacity: int, device: str | torch.device = "cpu", route: str = "auto"):
@@ -72,6 +127,8 @@ class Bucket:
         self._shared: SharedBatches | None = None
         self._loss = task.loss_fn
         self.fused_steps = 0
+        self.max_group: int | None = None
+        self.oom_recoveries = 0
 
     # ----- who is here ----------------------------------------------------------------------------
     @property
@@ -223,6 +280,14 @@ class Bucket:
         stay bit-for-bit as they were, so it can catch up later on its own
         trajectory (a bucket runs members ahead of their trials and masks the
         ones whose trial lags).
+
+        Running out of memory loses nothing: the members' rows are put back to
+        the iteration's start and the iteration is finished in groups of half
+        the size, halving again until a group fits; each member still follows
+        its own trajectory (the others in the bucket are frozen meanwhile), and
+        ``max_group`` remembers the size for later iterations. A member that
+        runs out even alone raises :class:`MemberOutOfMemory`, once every other
+        member has completed; the completed members' metrics travel with it.
         """
         if slots is None:
             live = self.live_slots
@@ -235,31 +300,118 @@ class Bucket:
         # Probe with every live member, not only this iteration's: a newcomer
         # that sits this one out must still be checked against vmap.
         self._ensure_route(self.live_slots)
+        plan = self._plan(live)
+        results, failed = self._train_in_groups(plan)
+        if failed:
+            raise self._member_out_of_memory(plan, failed, results)
+        return results
+
+    def _plan(self, live: list[int]) -> _Plan:
         first = self.members[live[0]]
         steps = self.task.steps_per_iteration(first.config)
-        active = self._active_mask(live)
-        lr_table = self._lr_table(live, steps)
-        index_table = self._index_table(live, steps)
-        frozen = self._snapshot_buffers([k for k in range(self.capacity) if k not in live])
+        orders = {k: self.members[k].order.state_dict() for k in live if self.members[k].order is not None}
+        return _Plan(live, steps, self._lr_table(live, steps), self._index_table(live, steps), orders)
+
+    def _train_in_groups(self, plan: _Plan) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
+        """Train ``plan.live`` in groups of at most ``max_group``; after an
+        out-of-memory error, put the group back and retry it at half the size.
+
+        Why: a fused step's memory grows with the number of members it runs,
+        so running out says the group is too big, not that a member is bad.
+        Each smaller group is exact (members outside it are frozen), so every
+        member still makes exactly this iteration's progress. Only a member
+        that runs out alone is given up on: ``(results, {slot: error})``.
+        """
+        size = self._group_size(len(plan.live))
+        pending = list(plan.live)
+        results: dict[int, dict[str, Any]] = {}
+        failed: dict[int, str] = {}
+        while pending:
+            group = pending[:size]
+            out, error = self._attempt(group, plan)
+            if out is not None:
+                results.update(out)
+                pending = pending[len(group):]
+            elif size > 1:
+                size = self._limit_group(size)
+            else:
+                failed[group[0]] = error
+                pending = pending[1:]
+        return results, failed
+
+    def _group_size(self, n: int) -> int:
+        return n if self.max_group is None else min(n, self.max_group)
+
+    def _limit_group(self, size: int) -> int:
+        """Halve the group size (rounding up) and remember it for later iterations."""
+        self.max_group = max(1, (size + 1) // 2)
+        return self.max_group
+
+    def _attempt(self, group: list[int], plan: _Plan) -> tuple[dict[int, dict[str, Any]] | None, str | None]:
+        """Train ``group`` through ``plan``: ``(metrics, None)``, or, if it ran
+        out of memory, ``(None, error)`` with the group's rows put back.
+
+        The rows are put back and the memory released only after the
+        ``except`` block: inside it, the exception's traceback still holds the
+        failed step's frames, and with them every activation tensor.
+        """
+        gather = self._gathers(group, self.route)
+        start = self._snapshot_state(group if gather else None, to_host=True)
+        try:
+            return self._train_group(group, plan, gather), None
+        except Exception as exc:  # noqa: BLE001 - only an allocation failure is retried
+            if not is_out_of_memory(exc):
+                raise
+            error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        self._restore_state(start)
+        release_memory(self.device)
+        self.oom_recoveries += 1
+        return None, error
+
+    def _gathers(self, group: list[int], route: str | None) -> bool:
+        """Whether ``group`` runs vmap'd over its own rows only. Once memory has
+        run short, yes: ``MemberStack.vmap_call`` runs every row of the stack
+        (masked ones included), so a smaller group would need as much memory."""
+        return self.max_group is not None and route == "vmap" and len(group) < self.capacity
+
+    def _train_group(self, group: list[int], plan: _Plan, gather: bool) -> dict[int, dict[str, Any]]:
+        active = self._active_mask(group)
+        # The full-stack forward updates BatchNorm statistics of every row; a
+        # gathered one touches the group's rows only.
+        frozen = None if gather else self._snapshot_buffers([k for k in range(self.capacity) if k not in group])
         self.stack.set_training(True)
         loss_sum = torch.zeros(self.capacity, device=self.device)
-        for s in range(steps):
-            x, y, shared = self._batch(index_table, s)
-            loss_sum += self._train_step(x, y, shared, lr_table[s], active, live, self.route).detach()
+        for s in range(plan.steps):
+            x, y, shared = self._batch(plan, s, group if gather else None)
+            loss_sum += self._train_step(x, y, shared, plan.lr[s], active, group, self.route, gather).detach()
         self._restore_buffers(frozen)
-        self.fused_steps += steps
-        for k in live:
-            self.members[k].iteration += 1
-            self.members[k].step += steps
-        val = self._evaluate(live)
-        train_loss = (loss_sum / steps).tolist()
+        val = self._evaluate(group, gather)
+        train_loss = (loss_sum / plan.steps).tolist()
+        # Counters last: a group that fails anywhere above has not advanced.
+        self.fused_steps += plan.steps
         out = {}
-        for k in live:
+        for k in group:
             m = self.members[k]
-            metrics = {"train_loss": train_loss[k], **{n: v[k] for n, v in val.items()},
-                       "iteration": m.iteration, "route": self.route, "seed": m.seed}
-            out[k] = metrics
+            m.iteration += 1
+            m.step += plan.steps
+            out[k] = {"train_loss": train_loss[k], **{n: v[k] for n, v in val.items()},
+                      "iteration": m.iteration, "route": self.route, "seed": m.seed}
         return out
+
+    def _member_out_of_memory(self, plan: _Plan, failed: dict[int, str],
+                              results: dict[int, dict[str, Any]]) -> MemberOutOfMemory:
+        for k in failed:  # back to where the iteration found it: it did not train
+            if k in plan.orders:
+                self.members[k].order.load_state_dict(plan.orders[k])
+        slots = tuple(sorted(failed))
+        names = ", ".join(f"slot {k}" for k in slots)
+        message = (
+            f"{names} ({self.model_name}, in a bucket of K={self.capacity}) ran out of memory even trained "
+            f"alone on {self.device} ({describe_memory(self.device)}); last error: {failed[slots[0]]}. "
+            f"{len(results)} other member(s) completed this iteration (.results); the failed member(s) are "
+            "unchanged since the iteration's start: retire them, or move them to a bucket with more room"
+        )
+        return MemberOutOfMemory(message, slots, results)
 
     def _active_mask(self, live: list[int]) -> torch.Tensor:
         active = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
@@ -283,23 +435,51 @@ class Bucket:
             table[:, k] = self.members[k].order.take(steps)
         return table.to(self.device)
 
-    def _batch(self, index_table: torch.Tensor | None, s: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        if index_table is None:
-            x, y = self._shared.next()
+    def _batch(self, plan: _Plan, s: int, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Step ``s``'s batch: shared, or one per row (only ``rows``' rows, if given)."""
+        if plan.index is None:
+            while len(plan.tape) <= s:
+                plan.tape.append(self._shared.next())
+            x, y = plan.tape[s]
             return x.to(self.device), y.to(self.device), True
         x, y = self._train.tensors
-        idx = index_table[s]
+        idx = plan.index[s] if rows is None else plan.index[s, rows]
         return x[idx], y[idx], False
 
+    def _fused_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool, slots: list[int],
+                    route: str | None, gather: bool) -> torch.Tensor:
+        """``fn(output, target)`` of ``slots`` as a ``(capacity, ...)`` tensor, zeros in other rows."""
+        if route != "vmap":
+            return self.stack.eager_call(fn, x, y, shared, slots)
+        if not gather:
+            return self.stack.vmap_call(fn, x, y, shared, template=slots[0])
+        return self._vmap_rows(fn, x, y, shared, slots)
+
+    def _vmap_rows(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool,
+                   slots: list[int]) -> torch.Tensor:
+        """``MemberStack.vmap_call`` over ``slots``' rows only (``x``, ``y``
+        hold those rows already unless ``shared``): memory for the group, not
+        for the whole stack."""
+        rows = torch.tensor(slots, device=self.device)
+        params = {n: p.index_select(0, rows) for n, p in self.stack.params.items()}  # gradients flow back
+        buffers = {n: b.index_select(0, rows) for n, b in self.stack.buffers.items()}
+        skeleton = self.stack.skeletons[slots[0]]
+
+        def member(p: dict, b: dict, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+            return fn(functional_call(skeleton, (p, b), (xb,)), yb)
+
+        data_dim = None if shared else 0
+        out = torch.vmap(member, in_dims=(0, 0, data_dim, data_dim), randomness="different")(params, buffers, x, y)
+        with torch.no_grad():  # train-mode BatchNorm updated the gathered copies
+            for n, b in buffers.items():
+                self.stack.buffers[n].index_copy_(0, rows, b)
+        return out.new_zeros((self.capacity, *out.shape[1:])).index_copy(0, rows, out)
+
     def _train_step(self, x, y, shared: bool, lr: torch.Tensor, active: torch.Tensor,
-                    live: list[int], route: str) -> torch.Tensor:
+                    live: list[int], route: str, gather: bool = False) -> torch.Tensor:
         for p in self.stack.params.values():
             p.grad = None
-        objective = mean_loss(self._loss)
-        if route == "vmap":
-            member_losses = self.stack.vmap_call(objective, x, y, shared, template=live[0])
-        else:
-            member_losses = self.stack.eager_call(objective, x, y, shared, live)
+        member_losses = self._fused_call(mean_loss(self._loss), x, y, shared, live, route, gather)
         # Sum, not mean, over members: each member's gradient keeps the scale of
         # its unfused run (a mean would divide every learning rate by K).
         torch.where(active, member_losses, torch.zeros_like(member_losses)).sum().backward()
@@ -322,7 +502,7 @@ class Bucket:
             self.stack.buffers[n][rows] = values
 
     @torch.no_grad()
-    def _evaluate(self, live: list[int]) -> dict[str, list[float]]:
+    def _evaluate(self, live: list[int], gather: bool = False) -> dict[str, list[float]]:
         self.stack.set_training(False)
         classification = self.task.is_classification
         loss_fn = self._loss
@@ -335,10 +515,7 @@ class Bucket:
 
         total, count = None, 0
         for x, y in eval_batches(self._val, self.task.eval_batch_size, self.device):
-            if self.route == "vmap":
-                batch_stats = self.stack.vmap_call(stats, x, y, True, template=live[0])
-            else:
-                batch_stats = self.stack.eager_call(stats, x, y, True, live)
+            batch_stats = self._fused_call(stats, x, y, True, live, self.route, gather)
             total = batch_stats if total is None else total + batch_stats
             count += int(y.shape[0])
         values = (total / count).tolist()
@@ -356,16 +533,45 @@ class Bucket:
             return  # already fell back for a mismatch: stays eager
         if self.route == "eager" and self._timed:
             return  # eager was faster; eager is always correct for newcomers
+        size = self._group_size(len(live))
+        while not self._probe_routes(live, size):
+            if size == 1:
+                self.route, self.route_reason = "eager", _PROBE_RAN_OUT
+                return
+            size = self._limit_group(size)
+
+    def _probe_routes(self, live: list[int], size: int) -> bool:
+        """Choose the route by probing ``live`` in groups of ``size``; False if
+        that ran out of memory (the state is put back and the memory released).
+
+        Running out of memory says nothing about whether vmap computes the
+        same thing: counted as a vmap failure, it would pin the bucket to the
+        slow eager route for good.
+        """
+        try:
+            self._decide_route(live, size)
+            return True
+        except Exception as exc:  # noqa: BLE001 - only an allocation failure is retried
+            if not is_out_of_memory(exc):
+                raise
+        release_memory(self.device)  # outside the except block: see _attempt
+        self.oom_recoveries += 1
+        return False
+
+    def _decide_route(self, live: list[int], size: int) -> None:
         snapshot = self._snapshot_state()
         self.stack.set_training(True)
         switched = self.stack.disable_dropout()
         try:
-            agree, reason = self._probe_agrees(live, snapshot)
-            if not agree:
-                self.route, self.route_reason = "eager", reason
-            elif not self._timed:
+            groups = [live[i:i + size] for i in range(0, len(live), size)]
+            for group in groups:
+                agree, reason = self._probe_agrees(group, snapshot)
+                if not agree:
+                    self.route, self.route_reason = "eager", reason
+                    return
+            if not self._timed:
+                self.route_timings = self._time_routes(groups[0], snapshot)
                 self._timed = True
-                self.route_timings = self._time_routes(live, snapshot)
                 faster = min(self.route_timings, key=self.route_timings.get)
                 self.route, self.route_reason = faster, "faster"
         finally:
@@ -374,27 +580,30 @@ class Bucket:
             self._restore_state(snapshot)
 
     def _probe_step(self, route: str, live: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """One training step of ``live`` on the probe batch: their rows of every
+        state tensor afterwards, and their losses."""
         x, y = first_batch(self._train, self.task.batch_size_for(self.members[live[0]].config))
         x, y = x.to(self.device), y.to(self.device)
         active = self._active_mask(live)
         lr = torch.tensor([self.members[k].hp["lr"] if k in live else 0.0 for k in range(self.capacity)],
                           device=self.device)
-        losses_ = self._train_step(x, y, True, lr, active, live, route).detach()
-        return [t.detach().clone() for t in self.stack.state_tensors()], losses_
+        losses_ = self._train_step(x, y, True, lr, active, live, route, self._gathers(live, route)).detach()
+        rows = torch.tensor(live, device=self.device)
+        return [t.detach()[rows] for t in self.stack.state_tensors()], losses_[rows]
 
-    def _probe_agrees(self, live: list[int], snapshot: tuple) -> tuple[bool, str]:
+    def _probe_agrees(self, live: list[int], snapshot: _Snapshot) -> tuple[bool, str]:
         eager_state, eager_losses = self._probe_step("eager", live)
         self._restore_state(snapshot)
         try:
             vmap_state, vmap_losses = self._probe_step("vmap", live)
         except Exception as exc:  # an op without a batching rule, data-dependent control flow, ...
+            if is_out_of_memory(exc):
+                raise  # not a verdict on vmap: see _probe_routes
             return False, f"vmap failed: {type(exc).__name__}: {exc}"
         finally:
             self._restore_state(snapshot)
-        rows = torch.tensor(live, device=self.device)
         pairs = [(eager_losses, vmap_losses), *zip(eager_state, vmap_state)]
         for a, b in pairs:
-            a, b = a[rows], b[rows]
             if a.is_floating_point():
                 if not torch.allclose(a, b, rtol=_PROBE_RTOL, atol=_PROBE_ATOL, equal_nan=True):
                     return False, "vmap disagreed with the per-member loop on the probe batch"
@@ -420,14 +629,48 @@ class Bucket:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _snapshot_state(self) -> tuple:
-        return [t.detach().clone() for t in self.stack.state_tensors()], self.optimizer.snapshot()
+    def _state_tensors(self) -> list[torch.Tensor]:
+        return [*self.stack.state_tensors(), *self.optimizer.tensors()]
 
-    def _restore_state(self, snapshot: tuple) -> None:
-        stack_saved, optimizer_saved = snapshot
+    def _snapshot_state(self, rows: list[int] | None = None, to_host: bool = False) -> _Snapshot:
+        """Copies of every stack and optimizer tensor (of ``rows`` only, if
+        given), for :meth:`_restore_state`.
+
+        ``to_host``: the copies go to host memory (asynchronously from CUDA:
+        they are read only after the stream has passed them). An iteration's
+        safety net must not itself take the device memory it guards; the route
+        probe, which restores a dozen times, keeps its copies on the device.
+        """
+        index = None if rows is None else torch.tensor(rows, device=self.device)
+        copies = []
+        for t in self._state_tensors():
+            part = t.detach() if index is None else t.detach().index_select(0, index)
+            if to_host:
+                part = part.to("cpu", copy=index is None, non_blocking=True)
+            elif index is None:
+                part = part.clone()
+            copies.append(part)
+        return _Snapshot(rows, copies, set(self._sgd_mirror()))
+
+    def _restore_state(self, snapshot: _Snapshot) -> None:
+        rows = snapshot.rows
+        index = None if rows is None else torch.tensor(rows, device=self.device)
         with torch.no_grad():
-            for t, saved in zip(self.stack.state_tensors(), stack_saved):
-                t.copy_(saved)
-            self.optimizer.restore(optimizer_saved)
+            for t, saved in zip(self._state_tensors(), snapshot.tensors):
+                if index is None:
+                    t.copy_(saved)
+                else:
+                    t.index_copy_(0, index, saved.to(t.device))
+        mirror = self._sgd_mirror()
+        if rows is None:
+            mirror.clear()
+        else:
+            mirror.difference_update(rows)
+        mirror.update(snapshot.without_buffer if rows is None else snapshot.without_buffer.intersection(rows))
         for p in self.stack.params.values():
             p.grad = None
+
+    def _sgd_mirror(self) -> set[int]:
+        # StackedOptimizer's host-side copy of "no momentum buffer yet" (it
+        # spares a GPU sync per step); rows put back must be put back there too.
+        return self.optimizer._without_buffer
