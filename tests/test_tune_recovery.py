@@ -9,18 +9,18 @@ import time
 
 import pytest
 import ray
-import ray.cloudpickle as cloudpickle
+import ray.cloudpickle
 from ray import tune
 from ray.tune import Callback
 from ray.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 
 from chorus_tune import reference
-from chorus_tune.tune import ChorusTrainable, bucket_stats
-from chorus_tune.tune.options import BucketOptions, Join
-from chorus_tune.tune.pool import NAMESPACE, get_pool, pool_name, task_id
+from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
+from chorus_tune.tune.pool import NAMESPACE, pool_name
 from tune_support import by_iteration, digits_task, history, run_config, start_ray
 
 HERE = os.path.dirname(__file__)
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,9 +50,10 @@ class _Restores(Callback):
             self.recovered[trial.trial_id] = f.read()
 
 
-def test_hyperband_paused_members_resume_on_their_reference_trajectory(tmp_path):
+@pytest.mark.parametrize("run_ahead", [0, 2])
+def test_hyperband_paused_members_resume_on_their_reference_trajectory(tmp_path, run_ahead):
     task = digits_task()
-    trainable = ChorusTrainable.for_task(task, bucket_size=4)
+    trainable = ChorusTrainable.for_task(task, bucket_size=4, run_ahead=run_ahead)
     # stop_last_trials=False: stock HyperBand's last-rung cleanup stops PAUSED
     # trials but not ones still saving (a Tune race that trials reporting
     # together, as fused ones do, hit); the stop criterion ends them instead.
@@ -77,11 +78,13 @@ def test_hyperband_paused_members_resume_on_their_reference_trajectory(tmp_path)
             assert value == pytest.approx(expected[iteration - 1], rel=1e-5), iteration
 
 
-def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path):
+@pytest.mark.parametrize("run_ahead", [0, 2])
+def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead):
     # Top trials have lr 0.5 and mutation keeps lr 0.5: an exploiting trial then
     # holds exactly its donor's state (weights, optimizer, data order) and config,
-    # so from the exploit on it reports exactly what its donor reports.
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4)
+    # so from the exploit on it reports exactly what its donor reports; the
+    # exploiting member's results computed ahead are dropped (rewound).
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, run_ahead=run_ahead)
     pbt = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=2,
                                   hyperparam_mutations={"lr": [0.5]}, quantile_fraction=0.5, synch=True)
     callback = _Restores()
@@ -114,14 +117,11 @@ def test_killed_trial_actor_is_reaped_and_the_others_finish(tmp_path):
                 self.victim = trial.trial_id
                 ray.kill(trial.temporary_state.ray_actor)
 
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, park_after_s=None,
-                                         lockstep_timeout_s=120.0)
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, reap_interval_s=0.25)
     killer = KillOne()
-    start = time.monotonic()
     results = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.1, 0.2])},
                          tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
                          run_config=run_config(tmp_path, 3, callbacks=[killer])).fit()
-    assert time.monotonic() - start < 100  # not by the 120 s lockstep timeout
     errored = [r.metrics["trial_id"] for r in results if r.error is not None]
     assert errored == [killer.victim]
     assert all(r.metrics["training_iteration"] == 3 for r in results if r.error is None)
@@ -157,43 +157,57 @@ def test_killed_bucket_fails_its_trials_clearly_and_they_resume_from_checkpoints
             _reference_losses(task, {"lr": r.config["lr"], "seed": 2}, 2, 4)[-1], rel=1e-5)
 
 
-def test_lockstep_wait_that_cannot_complete_fails_naming_the_missing_member():
-    blob = cloudpickle.dumps(digits_task())
-    options = BucketOptions(bucket_size=4, gather_s=0.0, park_after_s=None, lockstep_timeout_s=2.0,
-                            reap_interval_s=0.25, idle_close_s=0.5)
-    pool = get_pool(create=True)
-    _, bucket = ray.get(pool.reserve.remote("ghost-00001", task_id(blob), blob, {"lr": 0.1}, options, None))
-    ray.get(pool.reserve.remote("alive-00001", task_id(blob), blob, {"lr": 0.1}, options, None))
-    try:
-        with pytest.raises(Exception, match="ghost-00001"):
-            ray.get(bucket.step.remote("alive-00001", Join({"lr": 0.1}, seed=0)), timeout=60)
-    finally:
-        ray.get([pool.leave.remote("ghost-00001"), pool.leave.remote("alive-00001")])
+class _Straggling(ChorusTrainable):
+    """One trial (lr 0.3) takes 1.5 s to hand each result to Tune."""
+
+    def step(self):
+        result = super().step()
+        if self.config["lr"] == 0.3:
+            time.sleep(1.5)
+        return result
 
 
-def test_a_member_that_stops_asking_is_parked_and_rejoins_unchanged():
-    # Tune may keep a stopped trial's actor for reuse without telling it: the
-    # bucket must not wait for such a member forever, nor lose its state.
+@pytest.mark.parametrize("run_ahead", [0, 2])
+def test_a_straggling_trial_never_stalls_its_bucket_mates(tmp_path, run_ahead):
     task = digits_task()
-    blob = cloudpickle.dumps(task)
-    options = BucketOptions(bucket_size=2, gather_s=0.0, park_after_s=0.5, reap_interval_s=0.25, idle_close_s=0.5)
-    config_a, config_b = {"lr": 0.1, "seed": 1}, {"lr": 0.2, "seed": 2}
-    pool = get_pool(create=True)
-    _, bucket = ray.get(pool.reserve.remote("park-a", task_id(blob), blob, config_a, options, None))
-    ray.get(pool.reserve.remote("park-b", task_id(blob), blob, config_b, options, None))
-    try:
-        first = ray.get([bucket.step.remote("park-a", Join(config_a, 1)),
-                         bucket.step.remote("park-b", Join(config_b, 2))], timeout=60)
-        assert [r["chorus/live"] for r in first] == [2, 2]
-        second_a = ray.get(bucket.step.remote("park-a"), timeout=60)  # b does not ask: it is parked
-        assert second_a["chorus/live"] == 1
-        assert ray.get(bucket.describe.remote())["parked"] == ["park-b"]
-        second_b = ray.get(bucket.step.remote("park-b"), timeout=60)  # b comes back where it was
-        assert second_b["iteration"] == 2
-        expected, _ = reference.train(task, config_b, seed=2, iterations=2)
-        assert second_b["val_loss"] == pytest.approx(expected[-1]["val_loss"], rel=1e-5)
-    finally:
-        ray.get([pool.leave.remote("park-a"), pool.leave.remote("park-b")])
+    trainable = _Straggling.for_task(task, bucket_size=4, run_ahead=run_ahead, gather_s=0.2, name="Straggling")
+    finished = {}
+
+    class Finish(Callback):
+        def on_trial_complete(self, iteration, trials, trial, **info):
+            finished[trial.config["lr"]] = time.monotonic()
+
+    results = tune.Tuner(
+        trainable, param_space={"lr": tune.grid_search([0.05, 0.1, 0.2, 0.3]), "seed": 3},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=4, reuse_actors=True,
+                                    search_alg=ChorusSearch(task=trainable, max_concurrent_trials=4)),
+        run_config=run_config(tmp_path, 4, callbacks=[Finish()])).fit()
+    assert not results.errors
+    # The others went on without the straggler (masked), and finished first.
+    assert max(finished[lr] for lr in (0.05, 0.1, 0.2)) < finished[0.3]
+    mates = [r for r in results if r.config["lr"] != 0.3]
+    assert any(live < 4 for r in mates for live in r.metrics_dataframe["chorus/live"])
+    for r in results:  # every member, the straggler too, on its own reference trajectory
+        assert history(r) == pytest.approx(_reference_losses(task, {"lr": r.config["lr"], "seed": 3}, 3, 4),
+                                           rel=1e-5)
+
+
+def test_stock_asha_wastes_at_most_run_ahead_per_stopped_trial(tmp_path):
+    from ray.tune.schedulers import ASHAScheduler
+
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=8, run_ahead=2)
+    results = tune.Tuner(
+        trainable, param_space={"lr": tune.grid_search([0.002 * 2 ** i for i in range(8)]), "seed": 1},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=8, reuse_actors=True,
+                                    search_alg=ChorusSearch(task=trainable),
+                                    scheduler=ASHAScheduler(max_t=8, grace_period=1, reduction_factor=2)),
+        run_config=run_config(tmp_path, 8)).fit()
+    assert not results.errors
+    stopped = [r for r in results if r.metrics["training_iteration"] < 8]
+    assert stopped
+    wasted = {name: s["wasted"] for name, s in bucket_stats().items()
+              if set(s["trials"]) & {r.metrics["chorus/member"] for r in results}}
+    assert wasted and sum(wasted.values()) <= 2 * len(stopped)
 
 
 def test_tuner_restore_resumes_unfinished_trials_in_fresh_buckets(tmp_path):
