@@ -310,7 +310,16 @@ class Bucket:
         first = self.members[live[0]]
         steps = self.task.steps_per_iteration(first.config)
         orders = {k: self.members[k].order.state_dict() for k in live if self.members[k].order is not None}
-        return _Plan(live, steps, self._lr_table(live, steps), self._index_table(live, steps), orders)
+        try:
+            index = self._index_table(live, steps)  # advances the batch orders
+        except BaseException:
+            self._rewind_orders(orders)  # no member may lose its place in the data
+            raise
+        return _Plan(live, steps, self._lr_table(live, steps), index, orders)
+
+    def _rewind_orders(self, orders: dict[int, dict]) -> None:
+        for k, state in orders.items():
+            self.members[k].order.load_state_dict(state)
 
     def _train_in_groups(self, plan: _Plan) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
         """Train ``plan.live`` in groups of at most ``max_group``; after an
@@ -356,14 +365,16 @@ class Bucket:
         failed step's frames, and with them every activation tensor.
         """
         gather = self._gathers(group, self.route)
-        start = self._snapshot_state(group if gather else None, to_host=True)
+        start = None
         try:
+            start = self._snapshot_state(group if gather else None, to_host=True)
             return self._train_group(group, plan, gather), None
         except Exception as exc:  # noqa: BLE001 - only an allocation failure is retried
             if not is_out_of_memory(exc):
                 raise
             error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        self._restore_state(start)
+        if start is not None:  # else the snapshot itself ran out, before anything changed
+            self._restore_state(start)
         release_memory(self.device)
         self.oom_recoveries += 1
         return None, error
@@ -400,9 +411,8 @@ class Bucket:
 
     def _member_out_of_memory(self, plan: _Plan, failed: dict[int, str],
                               results: dict[int, dict[str, Any]]) -> MemberOutOfMemory:
-        for k in failed:  # back to where the iteration found it: it did not train
-            if k in plan.orders:
-                self.members[k].order.load_state_dict(plan.orders[k])
+        # Back to where the iteration found them: they did not train.
+        self._rewind_orders({k: state for k, state in plan.orders.items() if k in failed})
         slots = tuple(sorted(failed))
         names = ", ".join(f"slot {k}" for k in slots)
         message = (

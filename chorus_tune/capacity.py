@@ -226,7 +226,8 @@ def fit_capacity(measure: Callable[[int], int], free_bytes: int | Callable[[], i
             f"peak memory does not grow with the member count (slope {b:.3g} bytes per member from "
             f"{points}): the meter is not measuring the bucket's device")
     budget = fraction * free
-    k = math.floor((budget - a) / b)
+    # + 1e-9: exact line data fits to 39.99999999 for 40; a billionth of a member is rounding, not memory.
+    k = math.floor((budget - a) / b + 1e-9)
     reason = f"largest K with a + b*K <= {fraction:g} x free ({budget / _GIB:.2f} GiB)"
     if ran_out_at is not None and k >= ran_out_at:
         k, reason = ran_out_at - 1, f"K={ran_out_at} ran out of memory while measuring"
@@ -279,12 +280,14 @@ def measure_peak(task: Task, config: dict, k: int, device: torch.device | str, m
 
 def auto_capacity(task: Task, config: dict, device: torch.device | str, fraction: float = 0.8,
                   cap: int | None = None, meter: MemoryMeter | None = None, ks: Sequence[int] = DEFAULT_KS,
-                  steps: int = 2) -> CapacityFit:
+                  steps: int = 2, route: str = "auto") -> CapacityFit:
     """The bucket size for members like ``config`` on ``device`` (``bucket_size="auto"``).
 
     On CUDA (or with an injected ``meter``), measured and fitted by
-    :func:`fit_capacity`; on a CPU without a meter, :data:`CPU_DEFAULT_CAPACITY`
-    (see the module docstring for why), at most ``cap``.
+    :func:`fit_capacity` on throwaway buckets (see :func:`measure_peak`; pass
+    the ``route`` the real bucket will use); on a CPU without a meter,
+    :data:`CPU_DEFAULT_CAPACITY` (see the module docstring for why). At most
+    ``cap`` either way.
     """
     device = torch.device(device)
     if meter is None and device.type == "cuda":
@@ -294,6 +297,6 @@ def auto_capacity(task: Task, config: dict, device: torch.device | str, fraction
         return CapacityFit(k=k, a=None, b=None, points=(), free_bytes=None, fraction=fraction,
                            source="cpu-default", reason=f"fixed default on {device.type} (not measured)")
     def measure(k: int) -> int:
-        return measure_peak(task, config, k, device, meter, steps=steps)
+        return measure_peak(task, config, k, device, meter, steps=steps, route=route)
 
     return fit_capacity(measure, meter.free_bytes, ks=ks, fraction=fraction, cap=cap)
