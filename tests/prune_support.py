@@ -3,23 +3,22 @@
 `Recorder` notes every result and completion in the order the driver
 processed them (callbacks run right after the scheduler, in the same order);
 `replay` then re-decides the whole sweep with reference metrics in place of
-the fused ones, so a test can say which trials *should* have been pruned.
+the fused ones (each cohort a bucket halved, by the same rule), so a test can
+say which trials *should* have been pruned.
 """
 from __future__ import annotations
 
-import json
 import sys
+from collections import defaultdict
 
 import ray.cloudpickle
 from ray.tune import Callback
 
 from chorus_tune import reference
-from chorus_tune.tune.halving import CohortBracket
+from chorus_tune.tune import result_keys as rk
+from chorus_tune.tune.halving import CohortBracket, select_survivors
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-COHORT = "chorus/cohort"
-
 
 class Recorder(Callback):
     """Results and completions, in the order the driver processed them."""
@@ -44,33 +43,46 @@ def reference_metric(task, configs, iterations, metric="val_loss"):
     return out
 
 
+def _bucket_cohorts(events):
+    """{(bucket, fused iteration): [(trial_id, training_iteration)]} of the results a bucket decided."""
+    cohorts = defaultdict(list)
+    for kind, tid, it, result in events:
+        if kind == "result" and result.get(rk.DECISION) in ("CONTINUE", "STOP"):
+            cohorts[(result[rk.BUCKET], result[rk.BUCKET_ITERATION])].append((tid, it))
+    return cohorts
+
+
 def replay(events, ref, max_t, reduction_factor, grace_period=1, sign=-1.0):
-    """Trial ids the cohort rule stops when fed `ref` metrics in the recorded order."""
+    """Trial ids the cohort rule stops when fed `ref` metrics in the recorded order:
+    each cohort a bucket decided is halved on reference metrics; every other
+    result gets ChorusASHA's plain-ASHA rule against what the rung recorded."""
+    decided = {}
+    for members in _bucket_cohorts(events).values():
+        keep = set(select_survivors({tid: sign * ref[tid][it] for tid, it in members}, reduction_factor))
+        decided.update({(tid, it): "CONTINUE" if tid in keep else "STOP" for tid, it in members})
     bracket = CohortBracket(grace_period, max_t, reduction_factor)
     stopped = set()
     for kind, tid, it, result in events:
         if it is None:
             continue
+        score = sign * ref[tid][it]
         if kind == "complete":
-            bracket.on_result(tid, it, sign * ref[tid][it])
+            bracket.record(tid, it, score)
             bracket.forget(tid)
             continue
         if it >= max_t:
             continue
-        cohort = None
-        if result.get(COHORT):
-            cohort = {m: (e["iteration"], sign * ref[m][e["iteration"]])
-                      for m, e in json.loads(result[COHORT]).items()}
-        if bracket.on_result(tid, it, sign * ref[tid][it], cohort) == "STOP":
+        if (tid, it) in decided:
+            bracket.record(tid, it, score)
+            action = decided[(tid, it)]
+        else:
+            action = bracket.on_result(tid, it, score)
+        if action == "STOP":
             stopped.add(tid)
     return stopped
 
 
 def cohorts_at(events, iteration):
-    """The distinct cohorts (frozensets of trial ids) seen at `iteration`."""
-    seen = set()
-    for kind, _, it, result in events:
-        if kind == "result" and it == iteration and result.get(COHORT):
-            members = json.loads(result[COHORT])
-            seen.add(frozenset(m for m, e in members.items() if e["iteration"] == iteration))
-    return seen
+    """The cohorts (frozensets of trial ids) a bucket decided at `iteration`."""
+    return {frozenset(tid for tid, _ in members) for members in _bucket_cohorts(events).values()
+            if members[0][1] == iteration}

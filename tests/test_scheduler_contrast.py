@@ -1,7 +1,7 @@
 """Stock ASHAScheduler over-promotes a cohort that reaches a rung together;
 ChorusASHA, fed the very same arrival orders, promotes exactly what
-synchronous successive halving does (DESIGN.md D11)."""
-import json
+synchronous successive halving does (docs/design.md D11): its buckets
+halve the cohort, and it returns their decisions."""
 import random
 import statistics
 
@@ -9,29 +9,38 @@ import pytest
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.schedulers.async_hyperband import _Bracket
 
-from chorus_tune.tune import schedulers
 from chorus_tune.tune.halving import rung_milestones, survivors_count
-from chorus_tune.tune.schedulers import COHORT_FIELD, ChorusASHA
+from chorus_tune.tune.members import MemberBook, Plan
+from chorus_tune.tune.schedulers import ChorusASHA
 
 
 class _Trial:
     def __init__(self, trial_id):
         self.trial_id = trial_id
 
+    def get_trainable_cls(self):
+        return None
 
-@pytest.fixture(autouse=True)
-def _no_pool(monkeypatch):
-    monkeypatch.setattr(schedulers, "_retire_fn", lambda trial_id: None)
+
+def _bucket_decided(acc, rf):
+    """The cohort's rung results as a bucket writes them (it halves the cohort)."""
+    plan = Plan(budget=64, bucket_decides=True, rungs=(1,), reduction_factor=rf, metric="acc", sign=1.0)
+    book = MemberBook()
+    for slot, t in enumerate(acc):
+        book.reserve(t, plan)
+        book.place(t, slot, iteration=0)
+    book.record({t: ({"iteration": 1, "acc": a}, None) for t, a in acc.items()})
+    return {t: book.get(t).queue[-1].result for t in acc}
 
 
 def _promoted_counts(n, rf, repeats, seed):
-    """Promotions at rung 1 by stock ASHA and by ChorusASHA, same orders."""
+    """Promotions at rung 1 by stock ASHA and by ChorusASHA over its buckets, same orders."""
     rng = random.Random(seed)
     stock_counts, chorus_counts = [], []
     for _ in range(repeats):
         ids = [f"t{i:03d}" for i in range(n)]
         acc = {t: rng.random() for t in ids}
-        cohort = json.dumps({t: {"iteration": 1, "acc": a} for t, a in acc.items()})
+        decided = _bucket_decided(acc, rf)
         order = list(ids)
         rng.shuffle(order)
         counts = []
@@ -41,9 +50,7 @@ def _promoted_counts(n, rf, repeats, seed):
             for t in ids:
                 sched.on_trial_add(None, trials[t])
             counts.append(sum(
-                sched.on_trial_result(None, trials[t], {
-                    "training_iteration": 1, "acc": acc[t], COHORT_FIELD: cohort}
-                ) == "CONTINUE"
+                sched.on_trial_result(None, trials[t], {"training_iteration": 1, **decided[t]}) == "CONTINUE"
                 for t in order
             ))
         stock_counts.append(counts[0])

@@ -1,5 +1,4 @@
 """ChorusASHA in real Tune runs: on a plain function trainable, and on fused ChorusTrainable members."""
-import json
 import random
 import sys
 
@@ -59,18 +58,19 @@ def test_on_a_plain_trainable_it_decides_what_stock_asha_decides_in_the_same_ord
 
 @pytest.fixture(scope="module")
 def fused_sweep(tmp_path_factory):
-    """8 digits MLPs in one bucket of 8, pruned by ChorusASHA (rf=4, rungs 1 and 4)."""
-    from chorus_tune.tune import ChorusTrainable
+    """8 digits MLPs seated in one bucket of 8, pruned by ChorusASHA (rf=4, rungs 1 and 4)."""
+    from chorus_tune.tune import ChorusSearch, ChorusTrainable
     from tune_support import digits_task
 
     task = digits_task()
-    trainable = ChorusTrainable.for_task(task, bucket_size=8, gather_s=2.0, park_after_s=None)
+    trainable = ChorusTrainable.for_task(task, bucket_size=8)
     recorder = Recorder()
     tuner = tune.Tuner(
         trainable,
         param_space={"lr": tune.grid_search([0.01, 0.03, 0.1, 0.3]),
                      "momentum": tune.grid_search([0.0, 0.9]), "seed": 0},
-        tune_config=tune.TuneConfig(metric="val_loss", mode="min",
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=8, reuse_actors=True,
+                                    search_alg=ChorusSearch(task=trainable),
                                     scheduler=ChorusASHA(max_t=4, reduction_factor=4)),
         run_config=tune.RunConfig(storage_path=str(tmp_path_factory.mktemp("fused")), verbose=0,
                                   callbacks=[recorder]),
@@ -79,7 +79,7 @@ def fused_sweep(tmp_path_factory):
     return task, results, recorder
 
 
-def test_fused_cohort_is_halved_as_reference_metrics_say(fused_sweep):
+def test_fused_cohort_is_halved_in_its_bucket_as_reference_metrics_say(fused_sweep):
     task, results, recorder = fused_sweep
     assert not results.errors
     configs = {r.metrics["trial_id"]: ({k: v for k, v in r.config.items()}, r.metrics["chorus/seed"])
@@ -89,9 +89,9 @@ def test_fused_cohort_is_halved_as_reference_metrics_say(fused_sweep):
     stopped = {t for t in configs
                if max(it for k, tt, it, _ in recorder.events if tt == t and k == "result") < 4}
     assert stopped == expected_stopped
-    for cohort in cohorts_at(recorder.events, 1):
-        if len(cohort) > 1:  # halved as a whole: a quarter (at least one) goes on
-            assert len(cohort - stopped) == max(1, len(cohort) // 4)
+    cohorts = cohorts_at(recorder.events, 1)
+    assert cohorts == {frozenset(configs)}  # seated together: one cohort of 8, decided in the bucket
+    assert len(set(configs) - stopped) == 2
 
 
 def test_survivors_follow_their_reference_trajectory(fused_sweep):
@@ -104,15 +104,10 @@ def test_survivors_follow_their_reference_trajectory(fused_sweep):
         assert fused == pytest.approx([h["val_loss"] for h in history], rel=1e-4)
 
 
-def test_pruned_members_leave_their_bucket(fused_sweep):
+def test_pruned_members_train_no_further_and_nothing_is_wasted(fused_sweep):
     _, results, recorder = fused_sweep
     last = {r.metrics["trial_id"]: r.metrics["training_iteration"] for r in results}
-    # a pruned member never trains again: no cohort shows it past its last result
-    for kind, _, _, result in recorder.events:
-        if kind == "result" and result.get("chorus/cohort"):
-            for member, entry in json.loads(result["chorus/cohort"]).items():
-                assert entry["iteration"] <= last[member]
-    # and it holds no slot: after rung 1 only the survivors are live
     survivors = sum(it >= 2 for it in last.values())
     live_after = {r["chorus/live"] for k, _, it, r in recorder.events if k == "result" and it >= 2}
     assert live_after and max(live_after) <= survivors < len(last)
+    assert all(r.metrics["chorus/wasted"] == 0 for r in results)

@@ -372,6 +372,7 @@ class ChorusBucket:
 
     def _result(self, member: str, slot: int, metrics: dict, live: int) -> dict[str, Any]:
         return {**_numeric(metrics), rk.MEMBER: member, rk.BUCKET: self.name, rk.SLOT: slot,
+                rk.BUCKET_ITERATION: self.iterations,
                 rk.ROUTE: metrics.get("route", self.core.route), rk.LIVE: live,
                 rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions}
 

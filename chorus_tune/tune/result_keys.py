@@ -8,6 +8,7 @@ from __future__ import annotations
 MEMBER = "chorus/member"  # the member this trial reads (its trial id, or ChorusSearch's seat id)
 BUCKET = "chorus/bucket"  # the bucket actor's name
 SLOT = "chorus/slot"  # the member's slot when this result was computed
+BUCKET_ITERATION = "chorus/bucket_iteration"  # the bucket's fused iteration that computed this result
 ROUTE = "chorus/route"  # "vmap" or "eager": how the fused step ran
 LIVE = "chorus/live"  # members trained in the fused iteration that computed this result
 CAPACITY = "chorus/capacity"  # the bucket's slots then (less after compaction)
@@ -24,5 +25,5 @@ HELD = "HELD"
 
 ITERATION = "iteration"  # the member's own iteration count (training_iteration once resumed)
 
-ALL = (MEMBER, BUCKET, SLOT, ROUTE, LIVE, CAPACITY, SEED, COMPACTIONS, AHEAD, WASTED, DECISION,
+ALL = (MEMBER, BUCKET, SLOT, BUCKET_ITERATION, ROUTE, LIVE, CAPACITY, SEED, COMPACTIONS, AHEAD, WASTED, DECISION,
        COHORT_SIZE, COHORT_RANK, RETIRED)
