@@ -367,7 +367,7 @@ class Bucket:
         gather = self._gathers(group, self.route)
         start = None
         try:
-            start = self._snapshot_state(group if gather else None, to_host=True)
+            start = self._snapshot_state(self._rows_touched(group, gather), to_host=True)
             return self._train_group(group, plan, gather), None
         except Exception as exc:  # noqa: BLE001 - only an allocation failure is retried
             if not is_out_of_memory(exc):
@@ -384,6 +384,14 @@ class Bucket:
         run short, yes: ``MemberStack.vmap_call`` runs every row of the stack
         (masked ones included), so a smaller group would need as much memory."""
         return self.max_group is not None and route == "vmap" and len(group) < self.capacity
+
+    def _rows_touched(self, group: list[int], gather: bool) -> list[int] | None:
+        """The rows training ``group`` can change (``None``: all of them): the
+        group's own, except that a full-stack vmap also writes every row's
+        BatchNorm statistics (put back only at the end of the group)."""
+        if len(group) == self.capacity or (self.route == "vmap" and not gather):
+            return None
+        return group
 
     def _train_group(self, group: list[int], plan: _Plan, gather: bool) -> dict[int, dict[str, Any]]:
         active = self._active_mask(group)

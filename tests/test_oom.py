@@ -166,6 +166,24 @@ def test_out_of_memory_mid_iteration_finishes_in_smaller_groups_on_the_reference
         assert_follows_reference(task, bucket, slot, config, histories[slot])
 
 
+def test_the_eager_route_puts_back_only_the_groups_rows_and_follows_the_reference(device):
+    task = mlp_task(optimizer="sgd")
+    configs = [dict(lr=0.05 * (i + 1), momentum=0.9, dampening=0.1, seed=i) for i in range(4)]
+    bucket = ct.Bucket(task, 4, route="eager")
+    slots = [bucket.add(c) for c in configs]
+    bucket.run_iteration()
+    bucket.retire(slots[3])
+    retired = rows_of(bucket, slots[3])
+    device.room, device.arm = 2, 2  # three live of four: the eager step's rows are the group's own
+    histories = train(bucket, 1)
+    assert bucket.oom_recoveries == 1 and bucket.max_group == 2
+    assert same(rows_of(bucket, slots[3]), retired)
+    for slot, config in zip(slots[:3], configs):
+        expected, model = reference.train(task, config, iterations=2)
+        assert math.isclose(histories[slot][0]["val_loss"], expected[1]["val_loss"], rel_tol=RTOL)
+        params_close(bucket.export_model(slot), model, RTOL)
+
+
 def test_out_of_memory_puts_back_batchnorm_statistics_and_adam_steps(device):
     task = ct.Task(guarded_cnn, IMAGES, optimizer="adam", batch_size=32, iteration_steps=4)
     configs = [dict(lr=1e-3 * (i + 1), seed=i) for i in range(3)]
@@ -236,6 +254,21 @@ def test_members_left_out_of_an_iteration_that_runs_out_stay_frozen(device):
     assert bucket.oom_recoveries == 1
     for slot in (0, 2, 3):
         assert_follows_reference(task, bucket, slot, configs[slot], histories[slot])
+
+
+def test_batchnorm_rows_of_members_left_out_are_put_back_when_a_full_stack_step_runs_out(device):
+    # The full-stack vmap writes every row's BatchNorm statistics, left-out ones
+    # included, and puts those back only at the end: running out before then
+    # must not leave them changed.
+    task = ct.Task(guarded_cnn, IMAGES, optimizer="adam", batch_size=32, iteration_steps=3)
+    bucket = ct.Bucket(task, 3, route="vmap")
+    for seed in range(3):
+        bucket.add(dict(lr=1e-3, seed=seed))
+    frozen = rows_of(bucket, 2)
+    device.room, device.arm = 2, 2  # the second step of [0, 1], computed over all three rows
+    out = bucket.run_iteration([0, 1])
+    assert sorted(out) == [0, 1] and bucket.oom_recoveries == 1
+    assert same(rows_of(bucket, 2), frozen)
 
 
 def test_shared_batches_are_replayed_to_every_group(device):
