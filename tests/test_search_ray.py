@@ -84,3 +84,33 @@ def test_tuner_restore_resumes_the_search_without_repeating_or_losing_configs(tm
     results = restored.fit()
     assert sorted(r.config["x"] for r in results) == grid
     assert not results.errors
+
+
+def test_tuner_restore_reseats_members_and_every_trial_follows_its_reference(tmp_path):
+    from chorus_tune import reference
+    from chorus_tune.tune import ChorusTrainable
+    from tune_support import digits_task
+
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=4, max_buckets=1)
+    lrs = [0.02, 0.05, 0.1, 0.15, 0.2, 0.3]
+    tuner = tune.Tuner(
+        trainable, param_space={"lr": tune.grid_search(lrs)},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=len(lrs), reuse_actors=True,
+                                    search_alg=ChorusSearch(task=trainable, max_concurrent_trials=2,
+                                                            max_iterations=3, lookahead=2)),
+        run_config=_run_config(tmp_path, name="exp", stop={"training_iteration": 3},
+                               callbacks=[_StopAfter(2, str(tmp_path / "interrupted"))]),
+    )
+    with pytest.raises(RuntimeError, match="interrupted on purpose"):
+        tuner.fit()
+    results = tune.Tuner.restore(str(tmp_path / "exp"), trainable=trainable, resume_errored=True).fit()
+    assert sorted(r.config["lr"] for r in results) == lrs and not results.errors
+    for r in results:
+        expected, _ = reference.train(task, {"lr": r.config["lr"]}, seed=r.metrics["chorus/seed"], iterations=3)
+        # A trial restarted by the restore reads a member of its own from its
+        # first iteration: its rows are those of the member it read last.
+        frame = r.metrics_dataframe
+        rows = frame[frame["chorus/member"] == r.metrics["chorus/member"]].sort_values("iteration")
+        assert rows["iteration"].tolist() == [1, 2, 3], frame.to_string()
+        assert rows["val_loss"].tolist() == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)

@@ -130,8 +130,12 @@ class ChorusBucket:
         ChorusSearch) it is built now, else on its trial's first request.
         Idempotent."""
         self._start()
+        record = self.book.get(member)
+        fresh = record is None or record.phase not in (Phase.RESERVED, Phase.TRAINING, Phase.HELD)
         self.book.reserve(member, Plan() if join is None else join.plan)
-        if client is not None:
+        if fresh or client is not None:
+            # A member id seen before (a restarted trial, a re-seat) starts
+            # afresh: the trial actor that read it before may be dead.
             self.clients[member] = client
         self.retired.pop(member, None)
         if member not in self.ever:
@@ -402,7 +406,7 @@ class ChorusBucket:
                 for member, client in list(self.clients.items()):
                     if member in self._waiters or client is None:
                         continue  # a trial waiting for its result is alive
-                    if await self._client_dead(client):
+                    if await self._client_dead(client) and self.clients.get(member) is client:
                         logger.warning("%s: reaping %s: its trial actor died", self.name, member)
                         self.reaped.append(member)
                         await self.leave(member, keep_state=False)

@@ -87,7 +87,8 @@ class ChorusPool:
         self.history: dict[str, dict] = {}
         self.seats: dict[str, Join] = {}  # seated members: what they are built from
         self.failed: dict[str, BaseException] = {}  # seated members whose model cannot be built
-        self.bound: dict[str, str] = {}  # trial id -> seated member it reads
+        self.bound: dict[str, str] = {}  # trial id -> the seated member ChorusSearch gave it
+        self.reading: dict[str, str] = {}  # trial id -> the member it reads now (reserved)
         self.homes: dict[str, str] = {}  # member -> the bucket holding its records (slot, or results to drain)
         self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
@@ -135,6 +136,9 @@ class ChorusPool:
             return NEED_TASK
         out, placements = {}, []
         for member, config, seed in seats:
+            if member in self.seats or member in self.homes or member in self.failed:
+                # Seated again (ChorusSearch restored in this job): start afresh.
+                await self.leave(member)
             try:
                 key = self._key(task_id_, options, config)
             except Exception as exc:  # noqa: BLE001 - the factory's error, for this member's trial
@@ -153,6 +157,8 @@ class ChorusPool:
         """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
         first): one with a bucket before one still waiting for a slot, so the
         trials Tune runs read results that exist. Returns the member."""
+        if trial_id in self.reading:
+            return None  # it runs already, reading a member of its own
         known = [m for m in candidates if m in self.seats or m in self.failed]
         if not known:
             return None
@@ -176,22 +182,23 @@ class ChorusPool:
         if not self._learn_task(task_id_, task_blob):
             return NEED_TASK
         self.clients[trial_id] = client
+        if trial_id in self.reading:
+            # A trial reserving again is a restart (a new actor, a recovery, a
+            # restore in this job): what its member holds is stale for it. It
+            # gets a member of its own (restored from its checkpoint, if any).
+            await self.trial_left(trial_id)
         member = self.bound.get(trial_id)
         if member is not None and member not in self.seats and member not in self.failed:
-            # Its seated member was lost with its bucket: the restarted trial
-            # gets a member of its own (restored from its checkpoint).
-            del self.bound[trial_id]
+            del self.bound[trial_id]  # its seated member was lost with its bucket
             member = None
         if member is not None:
+            self.reading[trial_id] = member
             if member in self.failed:
                 raise self.failed[member]
             seat = self.seats[member]
             name = self.homes.get(member)
             return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True)
-        # A reservation for a trial already placed is a restart (new actor,
-        # reset, recovery): its old membership is stale.
-        if trial_id in self.homes or self.placement and self.placement.is_waiting(trial_id):
-            await self.leave(trial_id)
+        self.reading[trial_id] = trial_id
         key = self._key(task_id_, options, config)
         plan = options.plan(self.plans.get(trial_id))
         seed = int(seed) if seed is not None else 0
@@ -283,14 +290,20 @@ class ChorusPool:
                 pass
 
     # ----- members out ----------------------------------------------------------------------------
+    async def trial_left(self, trial_id: str) -> None:
+        """Trial ``trial_id`` ended (or its actor moved on): the member it read
+        leaves, and the trial is bound to nothing. Idempotent."""
+        self.plans.pop(trial_id, None)
+        member = self.reading.pop(trial_id, None) or self.bound.get(trial_id)
+        self.bound.pop(trial_id, None)
+        if member is not None:
+            await self.leave(member)
+
     async def leave(self, member: str, notify_bucket: bool = True, reason: str | None = None) -> None:
-        """``member`` (a trial id, or a seated member) is no longer read: it
-        leaves its bucket (or stops waiting). Idempotent; a no-op for a member
-        the pool never saw. ``reason`` (e.g. ``"reaped"``) is recorded in the
-        bucket's history."""
+        """``member`` is no longer read: it leaves its bucket (or stops
+        waiting). Idempotent; a no-op for a member the pool never saw.
+        ``reason`` (e.g. ``"reaped"``) is recorded in the bucket's history."""
         self._start()
-        self.plans.pop(member, None)
-        member = self.bound.pop(member, member)  # a trial id stands for the member it reads
         self.seats.pop(member, None)
         self.failed.pop(member, None)
         future = self._waiting.pop(member, None)
@@ -439,7 +452,7 @@ class ChorusPool:
     async def bucket_of(self, member: str):
         """``(bucket name, handle)`` of the bucket holding ``member`` (a member
         or a trial id), or ``None``."""
-        name = self.homes.get(self.bound.get(member, member))
+        name = self.homes.get(self.reading.get(member) or self.bound.get(member, member))
         return None if name is None else (name, self.handles.get(name))
 
     async def free_slots(self, structural_key: Hashable) -> int:
@@ -501,7 +514,7 @@ def retire_trial(trial_id: str, timeout_s: float = 60.0) -> None:
         return
     pool = get_pool(create=False)
     if pool is not None:
-        ray.get(pool.leave.remote(trial_id), timeout=timeout_s)
+        ray.get(pool.trial_left.remote(trial_id), timeout=timeout_s)
 
 
 def free_slots(structural_key: Hashable) -> int:

@@ -345,7 +345,9 @@ class ChorusSearch(ConcurrencyLimiter):
         self._seat(running + list(self._unbound))
         pool = get_pool(create=True)
         for trial_id, item_id in self._inner_id.items():
-            ray.get(pool.bind.remote(trial_id, [item_id]))
+            if ray.get(pool.bind.remote(trial_id, [item_id])) is None:
+                # Its trial restarted before this ran and reads a member of its own.
+                ray.get(pool.leave.remote(item_id))
 
     # -- save / restore ------------------------------------------------------
     _NOT_SAVED = ("searcher", "_trainable", "_seated_here")

@@ -176,7 +176,7 @@ class ChorusTrainable(Trainable):
         if self._joined or self._seated:
             # Restoring a member that trains (PBT exploit, a seated member):
             # leave it, dropping its queued results, and come back with the state.
-            self._leave()  # unbinds it from a seated member too: it gets a member of its own
+            self._leave()  # its next reservation gets a member of its own
             self._reserve(self.config)
         self._pending_state = checkpoint.get("member")
         if checkpoint.get("seed") is not None:
@@ -234,10 +234,8 @@ class ChorusTrainable(Trainable):
         try:
             pool = get_pool(create=False)
             if pool is not None:
-                ray.get(pool.leave.remote(member), timeout=_LEAVE_TIMEOUT_S)
-                trial = getattr(self, "_reserved_for", member)
-                if member != trial:  # unbind the trial from its seated member too
-                    ray.get(pool.leave.remote(trial), timeout=_LEAVE_TIMEOUT_S)
+                # reset_config switches trial_id before this trial leaves.
+                ray.get(pool.trial_left.remote(getattr(self, "_reserved_for", member)), timeout=_LEAVE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - leaving must never fail a trial
             logger.warning("trial %s: leaving its bucket failed: %s", member, exc)
 
