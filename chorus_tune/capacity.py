@@ -147,9 +147,9 @@ class CapacityFit:
     """The chosen bucket size and how it was reached.
 
     ``a`` and ``b`` (bytes, bytes per member) are the fitted line and
-    ``points`` the measured ``(K, peak_bytes)``; all three are empty when no
-    fit was made (``source == "cpu-default"`` or a cap of 1). ``reason`` says
-    what bounded ``k``.
+    ``points`` the measured ``(K, peak_bytes)``; ``a`` and ``b`` are ``None``
+    when no fit was made (``source == "cpu-default"``, or fewer than two sizes
+    measured: a cap of 1, or K=2 ran out). ``reason`` says what bounded ``k``.
     """
 
     k: int
@@ -185,7 +185,7 @@ def fit_capacity(measure: Callable[[int], int], free_bytes: int | Callable[[], i
     every larger one, does not fit). ``free_bytes`` may be a callable, read
     after the measurements (so their memory is back). Ks above ``cap`` are not
     measured, and the result is at most ``cap``. The result is never below 1:
-    the smallest K ran during the measurement. Raises :class:`CapacityFitError`
+    a bucket of one is plain training. Raises :class:`CapacityFitError`
     when peaks do not grow with K (a meter reading the wrong device, or
     nothing) or when not even K=1 could run.
     """
@@ -234,7 +234,7 @@ def fit_capacity(measure: Callable[[int], int], free_bytes: int | Callable[[], i
     if cap is not None and k > cap:
         k, reason = cap, f"capped at {cap}"
     if k < 1:
-        k, reason = 1, f"even K=1 is predicted over {fraction:g} x free; 1 ran while measuring"
+        k, reason = 1, f"even K=1 is predicted over {fraction:g} x free; 1 is the floor (it is plain training)"
     return CapacityFit(k=k, a=a, b=b, reason=reason, **common)
 
 
