@@ -10,11 +10,10 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from .losses import LossFn, resolve_loss
+from .optim import OPTIMIZERS  # noqa: F401  (the families' names, from optim.FAMILIES; imported from here too)
 
 Split = Union[tuple, TensorDataset, Dataset]
 ModelFactory = Callable[[dict], nn.Module]
-
-OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 @dataclass(frozen=True)
