@@ -14,15 +14,18 @@ from torch import nn
 
 from . import losses
 from .data import BatchOrder, SharedBatches, eval_batches
-from .optim import build_torch_optimizer, hyperparameters, scheduled_lr
+from .optim import build_torch_optimizer, hyperparameters
+from .schedules import scheduled_lr
+from .seeds import as_seed, config_seed
 from .task import Task, TensorSplit
 
 
 def resolve_seed(config: dict, seed: int | None) -> int:
     if seed is not None:
-        return int(seed)
-    if "seed" in config:
-        return int(config["seed"])
+        return as_seed(seed, "seed")
+    from_config = config_seed(config)  # a ValueError naming the 'seed' key if it is not an integer
+    if from_config is not None:
+        return from_config
     raise ValueError("reference.train needs a seed: pass seed= or put 'seed' in the config")
 
 
