@@ -350,12 +350,19 @@ class ChorusBucket:
             try:
                 out, states = await self._in_thread(self._train, sorted(members))
             except Exception as exc:  # noqa: BLE001 - every member of the iteration must hear of it
-                logger.exception("%s: iteration failed", self.name)
-                for slot, member in members.items():
-                    self.book.fail(member, exc)
-                    self.core.retire(slot)
-                    self._notify_pool(member, "failed")
-                return
+                from chorus_tune.bucket import MemberOutOfMemory
+
+                if not isinstance(exc, MemberOutOfMemory):
+                    logger.exception("%s: iteration failed", self.name)
+                    self._fail_members(members, exc)
+                    return
+                # The others finished their iteration in smaller groups; only
+                # the members that ran out even alone fail (with a plain error:
+                # their trial actors must not need torch to read it).
+                logger.warning("%s: %s", self.name, exc)
+                self._fail_members({slot: members[slot] for slot in exc.slots}, RuntimeError(str(exc)))
+                out = exc.results
+                states = await self._in_thread(self._states, sorted(out))
             seconds = time.perf_counter() - start
             self.iterations += 1
             outputs = {members[slot]: (self._result(members[slot], slot, metrics, len(out)), states[slot])
@@ -372,7 +379,17 @@ class ChorusBucket:
 
     def _train(self, slots: list[int]) -> tuple[dict[int, dict], dict[int, dict]]:
         out = self.core.run_iteration(slots)
-        return out, {slot: self.core.member_state(slot) for slot in out}
+        return out, self._states(out)
+
+    def _states(self, slots) -> dict[int, dict]:
+        return {slot: self.core.member_state(slot) for slot in slots}
+
+    def _fail_members(self, members: dict[int, str], error: BaseException) -> None:
+        for slot, member in members.items():
+            self.book.fail(member, error)
+            self.core.retire(slot)
+            self._resolve(member)
+            self._notify_pool(member, "failed")
 
     def _result(self, member: str, slot: int, metrics: dict, live: int) -> dict[str, Any]:
         return {**_numeric(metrics), rk.MEMBER: member, rk.BUCKET: self.name, rk.SLOT: slot,
