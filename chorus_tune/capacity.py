@@ -1,4 +1,4 @@
-"""How many members fit: memory meters, the out-of-memory test, and the capacity fit (DESIGN D13).
+"""How many members fit: memory meters, the out-of-memory test, and the capacity fit (docs/design.md D13).
 
 A bucket's peak memory grows linearly in its member count K: every member adds
 its parameters, gradients, optimizer state and activations, and the rest (the

@@ -1,5 +1,5 @@
 """The capacity fit: peak(K) = a + b*K from a few measured sizes, the largest K
-under a fraction of free memory (DESIGN D13). Meters are injected: no GPU here."""
+under a fraction of free memory (docs/design.md D13). Meters are injected: no GPU here."""
 from __future__ import annotations
 
 import weakref

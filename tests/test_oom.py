@@ -1,4 +1,4 @@
-"""Running out of memory inside an iteration loses nothing (DESIGN D13).
+"""Running out of memory inside an iteration loses nothing (docs/design.md D13).
 
 A fake device stands in for the GPU: a fused call costs one unit per member row
 it computes, plus each member's ``cost`` buffer, and the model's forward raises
