@@ -159,25 +159,36 @@ def stacked_adamw(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
 
 # ----- the families --------------------------------------------------------------------------------
 
+def _no_check(hp: dict) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class OptimizerFamily:
     """Everything chorus_tune knows about one optimizer family, in one place.
 
-    ``defaults``: every hyperparameter a config may set for this family
-    (``lr`` included), with its default. ``switches``: those that are on/off
-    flags rather than non-negative numbers. ``state_names``: the per-parameter
-    state tensors, each shaped like the parameter. ``lazy_state``: the state
-    starts as a copy of a member's first gradient, not as zeros (SGD's momentum
-    buffer), so the optimizer tracks which members have it and passes that to
-    the update (``has_buffer``, ``all_have_buffer``). ``reads_steps``: the
-    update reads the members' step counts (``steps``: Adam's bias corrections). ``check``: the
-    family's own rules on filled-in hyperparameters (raises ``ValueError``).
-    ``member_values``: the per-member values its update reads, from filled-in
-    hyperparameters. ``needed_terms``: from the ``(K,)`` hyperparameter
-    tensors, which terms some member needs (the update's ``any_*``/``all_*``
-    switches). ``update``: the update function, called by
-    :meth:`StackedOptimizer.step`. ``build_torch``: the stock ``torch.optim``
-    optimizer for one member, the reference's.
+    - ``defaults``: every hyperparameter a config may set for this family
+      (``lr`` included), with its default;
+    - ``switches``: those that are on/off flags, not non-negative numbers;
+    - ``state_names``: the per-parameter state tensors, each shaped like the
+      parameter;
+    - ``update``: the update function :meth:`StackedOptimizer.step` calls;
+    - ``build_torch``: the stock ``torch.optim`` optimizer for one member (the
+      reference's);
+    - ``needed_terms``: from the ``(K,)`` hyperparameter tensors, which terms
+      some member needs (the update's ``any_*``/``all_*`` switches);
+    - ``check``: the family's own rules on filled-in hyperparameters (raises
+      ``ValueError``);
+    - ``member_values``: the per-member values the update reads, from filled-in
+      hyperparameters (default: each tensor hyperparameter as a float);
+    - ``lazy_state``: the state starts as a copy of a member's first gradient,
+      not as zeros (SGD's momentum buffer), so the optimizer tracks which
+      members have it and hands that to the update (``has_buffer``,
+      ``all_have_buffer``);
+    - ``reads_steps``: the update reads the members' step counts (``steps``,
+      for Adam's bias corrections).
+
+    A family pickles as its name: it is the registry's entry on the other side.
     """
 
     name: str
@@ -186,7 +197,7 @@ class OptimizerFamily:
     update: Callable[..., None]
     build_torch: Callable[[Iterable, dict], torch.optim.Optimizer]
     needed_terms: Callable[[Mapping[str, Tensor]], dict[str, bool]]
-    check: Callable[[dict], None] = lambda hp: None
+    check: Callable[[dict], None] = _no_check
     member_values: Callable[[dict], dict[str, float]] | None = None
     switches: tuple[str, ...] = ()
     lazy_state: bool = False
@@ -194,6 +205,9 @@ class OptimizerFamily:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+
+    def __reduce__(self) -> tuple:
+        return optimizer_family, (self.name,)
 
     @property
     def tensor_hyperparameters(self) -> tuple[str, ...]:

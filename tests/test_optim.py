@@ -85,3 +85,15 @@ def test_stacked_step_takes_each_members_torch_step(family):
         torch.testing.assert_close(stacked["w"][m], param.detach(), rtol=1e-6, atol=1e-7)
         taken = sum(1 for s in range(steps) if (s, m) not in sits_out)
         assert opt.member_state(m)["step"] == taken
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_stacked_optimizer_pickles_and_copies(family):
+    import copy
+    import pickle
+
+    opt = StackedOptimizer(family, {"w": torch.zeros(2, 3)})
+    opt.set_member(1, optim.hyperparameters(family, {"lr": 0.1}))
+    for twin in (pickle.loads(pickle.dumps(opt)), copy.deepcopy(opt)):
+        assert twin.spec is FAMILIES[family]
+        assert all(torch.equal(a, b) for a, b in zip(twin.tensors(), opt.tensors()))
