@@ -54,7 +54,7 @@ def main() -> None:
     results = tune.Tuner(
         trainable,
         param_space={"lr": tune.loguniform(1e-2, 0.3), "momentum": 0.9, "weight_decay": tune.loguniform(1e-5, 1e-3)},
-        tune_config=tune.TuneConfig(metric="val_accuracy", mode="max", num_samples=trials,
+        tune_config=tune.TuneConfig(metric="val_accuracy", mode="max", num_samples=trials, reuse_actors=True,
                                     search_alg=ChorusSearch(task=trainable),
                                     scheduler=ChorusASHA(max_t=epochs, grace_period=1, reduction_factor=2)),
         run_config=tune.RunConfig(name="chorus_cnn", verbose=0, stop={"training_iteration": epochs}),

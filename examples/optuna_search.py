@@ -3,10 +3,10 @@
     python examples/optuna_search.py          # 32 trials, up to 8 epochs
     python examples/optuna_search.py --fast   # 8 trials, 2 epochs (a smoke test)
 
-Optuna proposes configs one trial at a time, as usual; ChorusSearch holds a few
-of them back so that compatible ones start together and share a bucket, and
-hands each freed slot to the next. Optuna is told every result under its own
-trial ids.
+Optuna proposes configs one at a time, as usual; ChorusSearch draws a bucket's
+worth ahead of Tune and seats them at once, so compatible ones train together
+in a bucket, and seats the next ones in the slots pruning frees. Optuna is told
+every result under its own trial ids.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def main() -> None:
     results = tune.Tuner(
         trainable, param_space=space,
         tune_config=tune.TuneConfig(
-            metric="val_loss", mode="min", num_samples=trials,
+            metric="val_loss", mode="min", num_samples=trials, reuse_actors=True,
             search_alg=ChorusSearch(OptunaSearch(seed=0), task=trainable),
             scheduler=ChorusASHA(max_t=epochs, grace_period=1, reduction_factor=2),
         ),

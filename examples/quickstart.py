@@ -13,13 +13,12 @@ import time
 
 import ray
 from ray import tune
-from ray.tune.schedulers import ASHAScheduler
 from torch import nn
 
 import chorus_tune
 from chorus_tune import Task
 from chorus_tune.examples_data import digits_split
-from chorus_tune.tune import ChorusTrainable, bucket_stats
+from chorus_tune.tune import ChorusASHA, ChorusSearch, ChorusTrainable, bucket_stats
 
 
 def mlp(config: dict) -> nn.Module:
@@ -44,11 +43,16 @@ def main() -> None:
         "momentum": tune.uniform(0.0, 0.9),
         "weight_decay": tune.loguniform(1e-6, 1e-3),
     }
-    scheduler = ASHAScheduler(time_attr="training_iteration", max_t=epochs, grace_period=1, reduction_factor=2)
+    # ChorusSearch draws the trials ahead of Tune and seats them in buckets at
+    # once; ChorusASHA's rungs are halved inside each bucket, cohort by cohort.
+    # Trial actors only read results: Tune runs about one per CPU, reused.
+    search = ChorusSearch(task=trainable, random_state=0)
+    scheduler = ChorusASHA(max_t=epochs, grace_period=1, reduction_factor=2)
     start = time.monotonic()
     results = tune.Tuner(
         trainable, param_space=space,
-        tune_config=tune.TuneConfig(metric="val_accuracy", mode="max", num_samples=trials, scheduler=scheduler),
+        tune_config=tune.TuneConfig(metric="val_accuracy", mode="max", num_samples=trials, search_alg=search,
+                                    scheduler=scheduler, reuse_actors=True),
         run_config=tune.RunConfig(name="chorus_quickstart", verbose=0, stop={"training_iteration": epochs}),
     ).fit()
     elapsed = time.monotonic() - start
@@ -59,12 +63,18 @@ def main() -> None:
     print(f"best config: {config}")
     print(f"best val_accuracy: {best.metrics['val_accuracy']:.4f} after {best.metrics['training_iteration']} epochs"
           f" (route {best.metrics['chorus/route']}, seed {best.metrics['chorus/seed']})")
-    ours = {r.metrics.get("trial_id") for r in results}
+    members = {r.metrics.get("chorus/member") for r in results}
+    wasted_by_bucket = {}  # chorus/wasted is each bucket's running total
+    for r in results:
+        bucket = r.metrics.get("chorus/bucket")
+        wasted_by_bucket[bucket] = max(wasted_by_bucket.get(bucket, 0), r.metrics.get("chorus/wasted", 0))
+    wasted = sum(wasted_by_bucket.values())
     print("trials fused per bucket:")
     for name, stats in sorted(bucket_stats().items()):
-        fused = [t for t in stats["trials"] if t in ours]
+        fused = [t for t in stats["trials"] if t in members]
         if fused:
             print(f"  {name}: {stats['model']}, {stats['bucket_size']} slots, {len(fused)} trials fused")
+    print(f"member-iterations computed but never read: {wasted}")
     model = chorus_tune.load_model(best.checkpoint)
     print(f"load_model -> {type(model).__name__} with {sum(p.numel() for p in model.parameters())} parameters")
 

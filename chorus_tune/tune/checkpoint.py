@@ -1,4 +1,4 @@
-"""From a ChorusTrainable checkpoint back to the user's own ``nn.Module`` (DESIGN D7)."""
+"""From a ChorusTrainable checkpoint back to the user's own ``nn.Module`` (docs/design.md D7)."""
 from __future__ import annotations
 
 import os

@@ -1,7 +1,7 @@
 """Cohort successive halving: the rung arithmetic of ``ChorusASHA``, without Ray.
 
 Ray keeps ASHA's rung bookkeeping in ``_Bracket``, apart from the scheduler
-plumbing; this module does the same for the cohort-aware rule (DESIGN.md D11),
+plumbing; this module does the same for the cohort-aware rule (docs/design.md D11),
 so it can be tested fast, over many arrival orders, with no Ray at all.
 
 Rules, in one place:

@@ -1,4 +1,4 @@
-"""``ray.util.metrics`` of a bucket (DESIGN D12): exported on Ray's metrics
+"""``ray.util.metrics`` of a bucket (docs/design.md D12): exported on Ray's metrics
 endpoint as ``ray_chorus_*``, tagged with the bucket's name and model class."""
 from __future__ import annotations
 

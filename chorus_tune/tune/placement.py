@@ -1,6 +1,6 @@
 """Which bucket a trial goes to (Ray-free; the pool actor is an adapter over it).
 
-Rules (issue 3, DESIGN D2/D9):
+Rules (docs/design.md D2, D9):
 - a trial goes to a bucket of its structural key with a free slot, oldest
   bucket first, so a bucket is filled to capacity before another of the same
   key is opened;

@@ -1,4 +1,4 @@
-"""The pool: one named actor per Tune run that places trials into buckets (DESIGN D2).
+"""The pool: one named actor per Tune run that places trials into buckets (docs/design.md D2).
 
 **How the driver and the trainables find it.** The pool is named
 ``chorus-pool-<job id>`` in the Ray namespace ``chorus_tune``. A Tune run's
@@ -65,6 +65,7 @@ class Reservation:
     bucket: str | None
     handle: Any
     seated: bool
+    token: int = 0  # names this reservation when the trial leaves (see ChorusPool.trial_left)
 
 
 class ChorusPool:
@@ -88,7 +89,8 @@ class ChorusPool:
         self.seats: dict[str, Join] = {}  # seated members: what they are built from
         self.failed: dict[str, BaseException] = {}  # seated members whose model cannot be built
         self.bound: dict[str, str] = {}  # trial id -> the seated member ChorusSearch gave it
-        self.reading: dict[str, str] = {}  # trial id -> the member it reads now (reserved)
+        self.reading: dict[str, tuple[str, int]] = {}  # trial id -> (member it reads now, reservation token)
+        self._tokens = 0
         self.homes: dict[str, str] = {}  # member -> the bucket holding its records (slot, or results to drain)
         self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
@@ -191,23 +193,24 @@ class ChorusPool:
         if member is not None and member not in self.seats and member not in self.failed:
             del self.bound[trial_id]  # its seated member was lost with its bucket
             member = None
+        self._tokens += 1
         if member is not None:
-            self.reading[trial_id] = member
+            self.reading[trial_id] = (member, self._tokens)
             if member in self.failed:
                 raise self.failed[member]
             seat = self.seats[member]
             name = self.homes.get(member)
-            return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True)
-        self.reading[trial_id] = trial_id
+            return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, self._tokens)
+        self.reading[trial_id] = (trial_id, self._tokens)
         key = self._key(task_id_, options, config)
         plan = options.plan(self.plans.get(trial_id))
         seed = int(seed) if seed is not None else 0
         placed = self.placement.request(trial_id, key, options.bucket_size)
         if placed is None:
             logger.info("pool: %s waits for a bucket (all %s in use)", trial_id, self.placement.max_buckets)
-            return Reservation(trial_id, seed, plan, None, None, False)
+            return Reservation(trial_id, seed, plan, None, None, False, self._tokens)
         name = await self._realize(placed)
-        return Reservation(trial_id, seed, plan, name, self.handles[name], False)
+        return Reservation(trial_id, seed, plan, name, self.handles[name], False, self._tokens)
 
     async def await_placement(self, member: str):
         """``(bucket name, handle)`` of a member waiting for a slot, once it has one."""
@@ -290,11 +293,17 @@ class ChorusPool:
                 pass
 
     # ----- members out ----------------------------------------------------------------------------
-    async def trial_left(self, trial_id: str) -> None:
+    async def trial_left(self, trial_id: str, token: int | None = None) -> None:
         """Trial ``trial_id`` ended (or its actor moved on): the member it read
-        leaves, and the trial is bound to nothing. Idempotent."""
+        leaves, and the trial is bound to nothing. Idempotent. ``token``: the
+        reservation's; a late call from an actor that served an earlier run of
+        this trial (a restart, a restore in this job) then changes nothing."""
+        current = self.reading.get(trial_id)
+        if token is not None and (current is None or current[1] != token):
+            return
         self.plans.pop(trial_id, None)
-        member = self.reading.pop(trial_id, None) or self.bound.get(trial_id)
+        self.reading.pop(trial_id, None)
+        member = current[0] if current is not None else self.bound.get(trial_id)
         self.bound.pop(trial_id, None)
         if member is not None:
             await self.leave(member)
@@ -452,7 +461,8 @@ class ChorusPool:
     async def bucket_of(self, member: str):
         """``(bucket name, handle)`` of the bucket holding ``member`` (a member
         or a trial id), or ``None``."""
-        name = self.homes.get(self.reading.get(member) or self.bound.get(member, member))
+        reading = self.reading.get(member)
+        name = self.homes.get(reading[0] if reading else self.bound.get(member, member))
         return None if name is None else (name, self.handles.get(name))
 
     async def free_slots(self, structural_key: Hashable) -> int:

@@ -1,6 +1,6 @@
 """Member states as bytes.
 
-A member state (DESIGN D7) travels through trial actors and Tune checkpoints
+A member state (docs/design.md D7) travels through trial actors and Tune checkpoints
 as opaque bytes: trial actors never unpickle it, so they hold no tensors and
 need no torch of their own to pass it on.
 """

@@ -223,7 +223,7 @@ class ChorusTrainable(Trainable):
             return
         assert isinstance(reply, Reservation)
         self._member, self._seed, self._plan, self._seated = reply.member, reply.seed, reply.plan, reply.seated
-        self._reserved_for = trial  # reset_config switches trial_id before this trial leaves
+        self._reserved_for = (trial, reply.token)  # reset_config switches trial_id before this trial leaves
         self._bucket_name, self._bucket = reply.bucket, reply.handle
 
     def _leave(self) -> None:
@@ -235,7 +235,8 @@ class ChorusTrainable(Trainable):
             pool = get_pool(create=False)
             if pool is not None:
                 # reset_config switches trial_id before this trial leaves.
-                ray.get(pool.trial_left.remote(getattr(self, "_reserved_for", member)), timeout=_LEAVE_TIMEOUT_S)
+                trial, token = getattr(self, "_reserved_for", (member, None))
+                ray.get(pool.trial_left.remote(trial, token), timeout=_LEAVE_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - leaving must never fail a trial
             logger.warning("trial %s: leaving its bucket failed: %s", member, exc)
 
