@@ -83,9 +83,10 @@ def test_seed_without_config_seed_is_derived_from_trial_id_and_reproducible(tmp_
 def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_path):
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=3, max_buckets=4)
     space = {"width": tune.grid_search([16, 24]), "lr": tune.grid_search([0.05, 0.1, 0.2, 0.3])}
-    results = _fit(trainable, space, tmp_path, iterations=2)
+    results = _fit(trainable, space, tmp_path, iterations=2, num_samples=8, reuse_actors=True,
+                   search_alg=ChorusSearch(task=trainable))
     assert not results.errors
-    width_of = {r.metrics["trial_id"]: r.config["width"] for r in results}
+    width_of = {r.metrics["chorus/member"]: r.config["width"] for r in results}
     ours = [(name, s) for name, s in bucket_stats().items() if set(s["trials"]) & set(width_of)]
     ours.sort(key=lambda item: int(item[0].rsplit("-", 1)[1]))  # in the order they were opened
     first_of_width = {}
@@ -94,7 +95,7 @@ def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_pat
         assert len(widths) == 1  # one structure per bucket
         first_of_width.setdefault(widths.pop(), s)
     assert set(first_of_width) == {16, 24}
-    # Trials arriving while the first bucket of their width had room went into it.
+    # Members seated while the first bucket of their width had room went into it.
     assert all(len(s["trials"]) >= 3 for s in first_of_width.values())
     assert max(r.metrics["chorus/live"] for r in results) <= 3
 
