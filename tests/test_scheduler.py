@@ -127,3 +127,11 @@ def test_save_and_restore_keep_what_the_rungs_recorded(tmp_path):
     held = {"training_iteration": 1, "val_loss": 5.0, rk.DECISION: rk.HELD}
     assert fresh.on_trial_result(None, trials["t8"], held) == "STOP"
     pickle.dumps(fresh)
+
+
+def test_a_stopper_below_max_t_is_the_buckets_budget():
+    sched = _sched(max_t=16)
+    sched.set_search_properties(None, None, stop={"training_iteration": 6})
+    schedule = sched.rung_schedule()
+    assert schedule.max_t == 6 and schedule.rungs == (1, 4)
+    run_plan.clear()

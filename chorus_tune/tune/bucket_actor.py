@@ -34,7 +34,10 @@ from .resources import bucket_threads
 
 logger = logging.getLogger(__name__)
 
-_RETIRED_KEEP = 256  # states of members that left, kept for a late save (checkpoint at end)
+# States of members that left, kept for a late save. Tune saves a trial's
+# checkpoint before it lets the trial go, so few are ever read; each is a whole
+# member state on the host.
+_RETIRED_KEEP = 16
 _MAX_QUEUE = 1024  # results one member may have waiting, whatever the memory allows
 
 

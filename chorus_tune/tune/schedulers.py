@@ -74,6 +74,7 @@ class ChorusASHA(AsyncHyperBandScheduler):
             for s in range(brackets)
         ]
         self._reduction_factor = reduction_factor
+        self._stop_at: Optional[int] = None  # a training_iteration stopper of the run
         self._num_bucket_decided = 0  # results whose decision a bucket made (for debug_string)
 
     # -- what the buckets may decide ----------------------------------------
@@ -82,12 +83,17 @@ class ChorusASHA(AsyncHyperBandScheduler):
         if (len(self._brackets) != 1 or self._time_attr != "training_iteration"
                 or not self._stop_last_trials or self._metric is None):
             return None
-        rungs = sorted({int(m) for m in self._brackets[0].milestones if m < self._max_t and m == int(m)})
-        return RungSchedule(rungs=tuple(rungs), max_t=int(self._max_t),
+        # A training_iteration stopper below max_t ends every trial first.
+        max_t = int(min(self._max_t, self._stop_at or self._max_t))
+        rungs = sorted({int(m) for m in self._brackets[0].milestones if m < max_t and m == int(m)})
+        return RungSchedule(rungs=tuple(rungs), max_t=max_t,
                             reduction_factor=float(self._reduction_factor), metric=self._metric,
                             sign=float(self._metric_op))
 
     def set_search_properties(self, metric: Optional[str], mode: Optional[str], **spec) -> bool:
+        stop = spec.get("stop")
+        if isinstance(stop, dict) and isinstance(stop.get("training_iteration"), (int, float)):
+            self._stop_at = int(stop["training_iteration"])
         ok = super().set_search_properties(metric, mode, **spec)
         run_plan.announce(self.rung_schedule())
         return ok
