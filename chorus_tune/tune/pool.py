@@ -213,25 +213,25 @@ class ChorusPool:
         return Reservation(trial_id, seed, plan, name, self.handles[name], False, self._tokens)
 
     async def await_placement(self, member: str):
-        """``(bucket name, handle)`` of a member waiting for a slot, once it has one."""
+        """``(bucket name, handle)`` of a member waiting for a slot, once it has one
+        (and its bucket expects it)."""
         name = self.homes.get(member)
         if name is None:
-            if self.placement is None or not self.placement.is_waiting(member):
+            placed = self.placement is not None and (self.placement.is_waiting(member)
+                                                     or self.placement.bucket_of(member) is not None)
+            if not placed:
                 raise RuntimeError(f"member {member} is neither placed nor waiting for a bucket")
             future = self._waiting.setdefault(member, asyncio.get_running_loop().create_future())
             name = await future
         return name, self.handles[name]
 
     async def _realize_waiting(self, placed: Placed) -> None:
-        future = self._waiting.pop(placed.trial_id, None)
         try:
-            name = await self._realize(placed)
+            await self._realize(placed)
         except Exception as exc:  # noqa: BLE001 - the waiting trial hears of it
+            future = self._waiting.pop(placed.trial_id, None)
             if future is not None and not future.done():
                 future.set_exception(exc)
-        else:
-            if future is not None and not future.done():
-                future.set_result(name)
 
     async def _realize(self, placed: Placed) -> str:
         """Make a placement real: create the bucket actor if new, and have it
@@ -255,8 +255,13 @@ class ChorusPool:
                                   "closed": False, "reaped": []}
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
         member = placed.trial_id
-        self.homes[member] = name
         await self.handles[name].expect.remote(member, self.clients.get(member), self.seats.get(member))
+        # Known as its home only once the bucket expects it: a trial that asks
+        # the bucket before then would find no such member there.
+        self.homes[member] = name
+        future = self._waiting.pop(member, None)
+        if future is not None and not future.done():
+            future.set_result(name)
         return name
 
     @staticmethod
