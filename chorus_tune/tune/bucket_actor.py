@@ -220,10 +220,13 @@ class ChorusBucket:
             while len(self.retired) > _RETIRED_KEEP:
                 self.retired.popitem(last=False)
         self.clients.pop(member, None)
-        async with self._lock:
-            slot = self.book.leave(member)
-            if slot is not None:
-                self.core.retire(slot)
+        if record.in_slot:
+            async with self._lock:  # slots change only between iterations
+                slot = self.book.leave(member)
+                if slot is not None:
+                    self.core.retire(slot)
+        else:
+            self.book.leave(member)  # no slot: nothing for a running iteration to see
         self._resolve(member)
         self.metrics.members(self.live, self.core.capacity)
         self._poke()

@@ -152,7 +152,11 @@ class ChorusPool:
             out[member] = "queued" if placed is None else "seated"
             if placed is not None:
                 placements.append(placed)
-        await asyncio.gather(*(self._realize(p) for p in placements))
+        # Not awaited: a new bucket actor takes seconds to start (it imports
+        # torch), and the trials Tune starts meanwhile wait for their member's
+        # placement in their own first step, in parallel with it.
+        for placed in placements:
+            asyncio.get_running_loop().create_task(self._realize_waiting(placed))
         return out
 
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:

@@ -194,6 +194,10 @@ class ChorusSearch(ConcurrencyLimiter):
         run_plan.clear()  # ChorusASHA, if it runs, announces its rungs next
         if ray.is_initialized():
             self._size_for_cluster()
+            if self._trainable is not None:
+                from .pool import get_pool
+
+                get_pool(create=True)  # starts now (a second or two) while Tune sets up the run
         ok = super().set_search_properties(metric, mode, config, **spec)
         if self._own_sampler and self._budget and self.searcher.grid_size > 1 \
                 and self._budget % self.searcher.grid_size:

@@ -235,8 +235,10 @@ class ChorusTrainable(Trainable):
             pool = get_pool(create=False)
             if pool is not None:
                 # reset_config switches trial_id before this trial leaves.
+                # Not waited for: leaving may wait for the bucket's running
+                # iteration, and Tune would hold this actor's next trial for it.
                 trial, token = getattr(self, "_reserved_for", (member, None))
-                ray.get(pool.trial_left.remote(trial, token), timeout=_LEAVE_TIMEOUT_S)
+                pool.trial_left.remote(trial, token)
         except Exception as exc:  # noqa: BLE001 - leaving must never fail a trial
             logger.warning("trial %s: leaving its bucket failed: %s", member, exc)
 
