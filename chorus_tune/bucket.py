@@ -13,7 +13,9 @@ from torch.func import functional_call
 from . import losses
 from .capacity import describe_memory, is_out_of_memory, release_memory
 from .data import BatchOrder, SharedBatches, eval_batches, first_batch
+from .member_state import check_member_state
 from .optim import StackedOptimizer, hyperparameters, scheduled_lr
+from .seeds import as_seed
 from .stack import MemberStack, mean_loss, module_key
 from .task import Task, TensorSplit
 
@@ -100,7 +102,7 @@ class Bucket:
     fall back to eager on any mismatch or error, else keep the faster),
     ``"vmap"`` or ``"eager"``.
 
-    Out of memory (DESIGN D13): an iteration that runs out is put back and
+    Out of memory (docs/design.md D13): an iteration that runs out is put back and
     finished in smaller groups (see :meth:`run_iteration`). ``max_group`` is the
     group size that then worked (``None``: never ran out), used directly by
     later iterations; set it back to ``None`` to try every member at once
@@ -164,11 +166,13 @@ class Bucket:
         Raises whatever the model factory raises, ``ValueError`` for a config
         of another structure or a full bucket; the bucket is unchanged then.
         """
+        if state is not None:
+            check_member_state(state)
         config = dict(state["config"] if state is not None and config is None else config)
         if state is not None:
             seed = state["seed"]
         elif seed is None:
-            seed = int(config["seed"]) if "seed" in config else secrets.randbelow(2**31)
+            seed = as_seed(config["seed"]) if "seed" in config else secrets.randbelow(2**31)
         free = self.free_slots
         if not free:
             raise ValueError(f"bucket is full ({self.capacity} members)")
@@ -228,7 +232,7 @@ class Bucket:
 
     def member_state(self, slot: int) -> dict[str, Any]:
         """Everything that makes this member itself, portable to any slot of
-        any bucket of the same structure (DESIGN D7)."""
+        any bucket of the same structure (docs/design.md D7)."""
         member = self._member(slot)
         return {
             "format": STATE_FORMAT,
@@ -542,7 +546,7 @@ class Bucket:
             out["val_accuracy"] = [row[1] for row in values]
         return out
 
-    # ----- choosing the route (DESIGN D8) ---------------------------------------------------------
+    # ----- choosing the route (docs/design.md D8) ---------------------------------------------------------
     def _ensure_route(self, live: list[int]) -> None:
         if self._route_checked:
             return

@@ -64,8 +64,6 @@ def test_wrong_values_are_named(real_state, change, message):
         check_member_state({**real_state, **change})
 
 
-@pytest.mark.xfail(strict=True, reason="needs the one-line check_member_state call at the top of Bucket.add "
-                                       "(bucket.py); remove this marker with it")
 def test_bucket_add_names_the_missing_keys():
     bucket = ct.Bucket(task(), capacity=2, route="eager")
     with pytest.raises(ValueError, match="missing key\\(s\\) 'config', 'seed', 'optimizer'"):

@@ -44,8 +44,6 @@ def test_reference_names_the_seed_key():
     assert history[0]["seed"] == 2
 
 
-@pytest.mark.xfail(strict=True, reason="needs Bucket.add to read the seed with chorus_tune.seeds.as_seed "
-                                       "(bucket.py); remove this marker with it")
 def test_bucket_add_names_the_seed_key():
     bucket = ct.Bucket(mlp_task(), capacity=2, route="eager")
     with pytest.raises(ValueError, match="config key 'seed' must be an integer"):

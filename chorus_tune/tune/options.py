@@ -4,6 +4,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 
+from chorus_tune.seeds import as_seed
+
 from .members import Plan
 
 
@@ -128,4 +130,4 @@ def derived_seed(trial_id: str) -> int:
 
 
 def member_seed(config: dict, trial_id: str) -> int:
-    return int(config["seed"]) if config.get("seed") is not None else derived_seed(trial_id)
+    return as_seed(config["seed"]) if config.get("seed") is not None else derived_seed(trial_id)
