@@ -35,7 +35,7 @@ CHORUS_TORCH_SITE := .bench-venv/site
 $(CHORUS_TORCH_SITE)/chorus/__init__.py: $(BIN)/python
 	$(BIN)/pip install $(PIP_FLAGS) --no-deps --ignore-requires-python --upgrade --target $(CHORUS_TORCH_SITE) chorus-torch==0.1.0
 
-.PHONY: bench-chorus bench-step bench-tune bench-startup
+.PHONY: bench-chorus bench-step bench-tune bench-startup bench-overhead
 bench-chorus: setup $(CHORUS_TORCH_SITE)/chorus/__init__.py
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/vs_chorus.py --threads 1 --json benchmarks/results/vs_chorus.json
@@ -44,12 +44,20 @@ bench-step: setup
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/fused_step.py --json benchmarks/results/fused_step.json
 
-# The README's plain-Tune comparison: every workload x bucket size, about 35 min on 2 cores.
+# The README's plain-Tune comparison (32 width-64 MLPs on the synthetic set, buckets of 16 and 32;
+# plain Tune, chorus_tune, chorus_tune at run_ahead=0, the fused core): about 35 min on 2 cores.
 bench-tune: setup
-	$(BIN)/python benchmarks/vs_tune.py --workload synth-mlp64,synth-mlp256,synth-cnn --bucket-size 8,16,32 \
-	    --repeats 2 --name vs_tune-synthetic
-	$(BIN)/python benchmarks/vs_tune.py --workload digits-mlp64,digits-mlp256,digits-cnn --bucket-size 8,16,32 \
-	    --repeats 2 --name vs_tune-digits
+	$(BIN)/python benchmarks/vs_tune.py --workload synth-mlp64 --bucket-size 16,32 --scheduler asha --epochs 10 \
+	    --repeats 2 --name vs_tune-synth-asha10
+	$(BIN)/python benchmarks/vs_tune.py --workload synth-mlp64 --bucket-size 16,32 --scheduler fifo --epochs 10 \
+	    --repeats 2 --name vs_tune-synth-fifo10
+	$(BIN)/python benchmarks/vs_tune.py --workload synth-mlp64 --bucket-size 16,32 --scheduler fifo --epochs 40 \
+	    --repeats 2 --name vs_tune-synth-fifo40
+
+# Tune's own cost per result, with and without its TensorBoard logger.
+bench-overhead: setup
+	mkdir -p benchmarks/results
+	$(BIN)/python benchmarks/tune_overhead.py --json benchmarks/results/tune_overhead.json
 
 bench-startup: setup
 	mkdir -p benchmarks/results
