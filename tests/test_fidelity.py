@@ -1,4 +1,4 @@
-"""Fused members follow their unfused reference trajectories (DESIGN: 'What equivalent means')."""
+"""Fused members follow their unfused reference trajectories (docs/design.md, 'What equivalent means')."""
 from __future__ import annotations
 
 import math
@@ -10,7 +10,7 @@ from chorus_tune import reference
 
 from models import cnn, digits, mlp, params_close, regression_task
 
-MLP_RTOL = 1e-5  # DESIGN.md: float32, 100 steps, MLP
+MLP_RTOL = 1e-5  # docs/design.md, 'What equivalent means': float32, 100 steps, MLP
 # Convolutions and BatchNorm sum in a different order batched than unbatched
 # (~1e-7 per step) and momentum amplifies it; measured worst after 30 steps:
 # 2.8e-6 (SGD, momentum 0.9) and 3e-7 (Adam). A conv bias right before
