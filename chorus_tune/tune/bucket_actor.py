@@ -175,6 +175,11 @@ class ChorusBucket:
                 if record is None or record.phase is not Phase.RESERVED:
                     return  # it left while waiting for the lock
                 slot = await self._in_thread(self.core.add, dict(join.config), join.seed, state)
+                if record.phase is not Phase.RESERVED:
+                    # Its trial left while the model was built (a member with no
+                    # slot leaves without the lock): no slot may outlive it.
+                    self.core.retire(slot)
+                    return
                 if self.book.get(member).plan == Plan():
                     self.book.set_plan(member, join.plan)  # unless a scheduler's plan came meanwhile
                 self.book.place(member, slot, iteration=0 if state is None else int(state["iteration"]),
