@@ -1,4 +1,4 @@
-"""A bucket: up to ``capacity`` members of one structure, trained fused, in lockstep."""
+"""A bucket: up to ``capacity`` members of one structure, trained fused."""
 from __future__ import annotations
 
 import secrets
@@ -93,7 +93,7 @@ class Bucket:
 
     Members are added with :meth:`add` (new, or restored from a
     :meth:`member_state`), trained one iteration at a time by
-    :meth:`run_iteration` (all live members in lockstep, fused), and removed
+    :meth:`run_iteration` (every live member, or a chosen subset, fused), and removed
     with :meth:`retire`. A retired or empty slot is masked, never reshaped: its
     parameters, buffers and optimizer state stay bit-for-bit frozen.
     :meth:`compact` drops empty slots between iterations.
