@@ -205,6 +205,13 @@ class ChorusBucket:
         budget = self.options.ahead_memory_mb * 2**20
         self.book.max_queue = int(max(1, min(_MAX_QUEUE, budget // (per_state * self.core.capacity))))
 
+    async def set_threads(self, threads: int) -> None:
+        """Use ``threads`` CPU threads from the next iteration on (the pool
+        shares a CPU-only machine's cores among the buckets that are open)."""
+        import torch
+
+        torch.set_num_threads(max(1, int(threads)))
+
     async def set_plan(self, member: str, plan: Plan) -> None:
         """A plan learnt after the member joined (e.g. its scheduler's rungs)."""
         record = self.book.get(member)

@@ -254,6 +254,7 @@ class ChorusPool:
                 **bucket_actor_options(resources),
             ).remote(name, self.blobs[tid], bucket_options, model_name, ray.get_runtime_context().current_actor)
             self.handles[name] = handle
+            self._share_cores()
             self.history[name] = {"model": model_name, "bucket_size": record.capacity,
                                   "capacity": record.capacity, "trials": record.ever,
                                   "closed": False, "reaped": []}
@@ -400,6 +401,7 @@ class ChorusPool:
         if record is not None and not record.members:
             _, update = self.placement.close(name)
             await self._apply(update)
+            self._share_cores()
             await self._close_when_drained(name)
 
     async def _close_when_drained(self, name: str) -> None:
@@ -419,6 +421,22 @@ class ChorusPool:
             await self._close_actor(name)
         finally:
             self._closing.discard(name)
+
+    def _share_cores(self) -> None:
+        """On a CPU-only machine with default bucket resources, the open buckets
+        share every core: a lone bucket (one bucket of 32, say) then uses both
+        cores of a 2-core machine instead of idling one. Buckets given explicit
+        resources keep the threads their CPU share says."""
+        cluster = ray.cluster_resources()
+        if cluster.get("GPU", 0) > 0:
+            return
+        shared = [n for n, h in self.handles.items() if n in self.placement.buckets
+                  and self.key_info[self.placement.buckets[n].key][1].resources_per_bucket is None]
+        if not shared:
+            return
+        threads = max(1, int(cluster.get("CPU", 1)) // len(shared))
+        for name in shared:
+            self.handles[name].set_threads.remote(threads)
 
     async def _close_actor(self, name: str) -> None:
         handle = self.handles.pop(name, None)
@@ -452,6 +470,7 @@ class ChorusPool:
             return
         _, update = self.placement.close(name)
         await self._apply(update)
+        self._share_cores()
 
     async def _watch_job(self) -> None:
         # Detached, so nothing else ends the pool: it ends with the job that made it.
