@@ -215,3 +215,14 @@ def test_a_member_reserved_for_a_starting_trial_is_waited_for_once():
     book.deliver("m0")
     book.ask("m0")
     assert [r.member for r in book.next_iteration(now=1.1)[0]] == ["m0"]
+
+
+def test_a_member_that_left_keeps_no_state_in_the_book():
+    # The bucket keeps a bounded few states of members that left; the book's
+    # record of each member that ever left must not hold one too.
+    book = book_with(Plan(budget=3, bucket_decides=True), 1)
+    run_until_idle(book)
+    book.ask("m0")
+    assert book.get("m0").state_at_taken == "state-m0-1"
+    book.leave("m0")
+    assert book.get("m0").state_at_taken is None

@@ -45,7 +45,8 @@ class MemberError(RuntimeError):
     """A call about a member this bucket does not hold."""
 
 
-def _numeric(metrics: dict[str, Any]) -> dict[str, Any]:
+def _member_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
+    """A core result without the fields the ``chorus/*`` keys report instead."""
     return {k: v for k, v in metrics.items() if k not in ("route", "seed")}
 
 
@@ -410,7 +411,7 @@ class ChorusBucket:
             self._notify_pool(member, "failed")
 
     def _result(self, member: str, slot: int, metrics: dict, live: int) -> dict[str, Any]:
-        return {**_numeric(metrics), rk.MEMBER: member, rk.BUCKET: self.name, rk.SLOT: slot,
+        return {**_member_metrics(metrics), rk.MEMBER: member, rk.BUCKET: self.name, rk.SLOT: slot,
                 rk.BUCKET_ITERATION: self.iterations,
                 rk.ROUTE: metrics.get("route", self.core.route), rk.LIVE: live,
                 rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions}

@@ -186,11 +186,11 @@ class MemberBook:
             record.wasted += wasted
             self.wasted += wasted
         record.queue.clear()
+        # Its last state goes too: the bucket keeps a few of those, bounded,
+        # for a late save; a record of each member that ever left must not.
+        record.state_at_taken = None
         record.phase, record.slot = Phase.LEFT, None
         return slot
-
-    def forget(self, member: str) -> None:
-        self.records.pop(member, None)
 
     def renumber(self, remap: dict[int, int]) -> None:
         """Slots after a compaction: ``{old: new}``."""

@@ -267,7 +267,7 @@ class ChorusSearch(ConcurrencyLimiter):
     def _size_for_cluster(self) -> None:
         cluster = ray.cluster_resources()
         if not self._concurrency_given:
-            self.max_concurrent = max(1, int(cluster.get("CPU", 1)))
+            self.max_concurrent = _default_concurrency()
         if self._lookahead_given is None and self._options is not None:
             per_bucket = dict(self._options.resources_per_bucket or default_bucket_resources(cluster))
             buckets = self.max_buckets or bucket_budget(cluster, per_bucket)
