@@ -1,11 +1,11 @@
-"""How buckets and trials share a cluster's resources, and member seeds (Ray-free)."""
+"""How buckets and trials share a cluster's resources, where a bucket trains, and member seeds (Ray-free)."""
 from __future__ import annotations
 
 import pytest
 
 from chorus_tune.tune.options import BucketOptions, RungSchedule, derived_seed, member_seed
 from chorus_tune.tune.resources import (bucket_actor_options, bucket_budget, default_bucket_resources,
-                                        trial_token_cpu)
+                                        pick_device, trial_token_cpu)
 
 
 def test_cpu_only_cluster_gets_one_bucket_per_core_and_a_token_per_slot():
@@ -56,3 +56,28 @@ def test_bad_run_ahead_options_are_refused():
         BucketOptions(run_ahead=-1)
     with pytest.raises(ValueError, match="max_iterations"):
         BucketOptions(max_iterations=0)
+
+
+def test_a_bucket_without_a_gpu_trains_on_the_cpu():
+    choice = pick_device([], None, cuda_available=True)
+    assert (choice.requested, choice.device, choice.fell_back) == ("cpu", "cpu", False)
+
+
+def test_a_bucket_trains_on_the_card_ray_gave_it_as_its_process_sees_it():
+    # Ray restricts each actor's CUDA_VISIBLE_DEVICES to its own GPUs: GPU 3 of
+    # a node is then cuda:0 in that process, whatever the other buckets hold.
+    assert pick_device([3], "3", cuda_available=True).device == "cuda:0"
+    # Unrestricted (Ray told not to set it), torch sees every card of the node.
+    assert pick_device([1], "0,1,2,3", cuda_available=True).device == "cuda:1"
+    assert pick_device([2], None, cuda_available=True).device == "cuda:2"
+
+
+def test_a_gpu_declared_where_torch_has_no_cuda_falls_back_to_the_cpu_and_says_so():
+    choice = pick_device(["1"], "1", cuda_available=False)
+    assert choice.requested == "cuda:0" and choice.device == "cpu" and choice.fell_back
+    assert choice.gpu_ids == ("1",)
+
+
+def test_a_gpu_hidden_from_the_bucket_is_a_clear_error():
+    with pytest.raises(ValueError, match="GPU 2.*CUDA_VISIBLE_DEVICES"):
+        pick_device([2], "0,1", cuda_available=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +28,11 @@ from ray.exceptions import RayActorError
 
 from . import result_keys as rk
 from . import state_io
+from .actor_log import log_to_actor_stdout
 from .members import MemberBook, Phase, Plan
 from .metrics import BucketMetrics
 from .options import BucketOptions, Join
-from .resources import bucket_threads
+from .resources import bucket_threads, pick_device
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,14 @@ logger = logging.getLogger(__name__)
 # member state on the host.
 _RETIRED_KEEP = 16
 _MAX_QUEUE = 1024  # results one member may have waiting, whatever the memory allows
+
+# One line per iteration in the bucket's log (the dashboard's Log link): the
+# iteration (``chorus/bucket_iteration`` of its results), members in slots /
+# slots when it ran, members it trained (``chorus/live``), route, seconds, the
+# seconds per fused step, samples/s over all members, and wasted
+# member-iterations so far (counted when a member leaves with unread results).
+STATUS_LINE = ("%s: iteration %d, live %d/%d, trained %d, route %s, %.3f s, step %.2f ms, %.0f samples/s, "
+               "wasted %d")
 
 
 class MemberError(RuntimeError):
@@ -71,7 +81,10 @@ class ChorusBucket:
 
     Created by the pool (named, outside every trial's placement group). Its
     ``repr()`` holds only what never changes (Ray captures it once, at
-    creation); live state is in :meth:`describe`, the metrics and the log.
+    creation, and the dashboard shows it): model class, ``bucket_size``,
+    device. Live state is read where it is read live: :meth:`describe`, the
+    ``ray_chorus_*`` metrics, and one status line per iteration in the
+    actor's log (:data:`STATUS_LINE`).
     """
 
     def __init__(self, name: str, task_blob: bytes, options: BucketOptions, model_name: str,
@@ -83,9 +96,16 @@ class ChorusBucket:
         resources = dict(options.resources_per_bucket or ())
         torch.set_num_threads(bucket_threads(resources))
         task = cloudpickle.loads(task_blob)
-        gpu = bool(ray.get_gpu_ids()) and torch.cuda.is_available()
         self.name, self.model_name, self.options, self._pool = name, model_name, options, pool
-        self.device = "cuda" if gpu else "cpu"
+        # Read off this process (Ray's GPU ids on this node, CUDA_VISIBLE_DEVICES),
+        # never off the cluster: a bucket cannot know how many share its node.
+        self.choice = pick_device(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                                  torch.cuda.is_available())
+        self.device = self.choice.device
+        self.node_id = ray.get_runtime_context().get_node_id()
+        if self.choice.fell_back:
+            logger.warning("%s: Ray gave it GPU %s (%s), but torch has no CUDA here: it trains on the CPU",
+                           name, ",".join(self.choice.gpu_ids), self.choice.requested)
         self.core = Bucket(task, options.bucket_size, device=self.device, route=options.route)
         self.book = MemberBook(max_queue=_MAX_QUEUE, gather_s=options.gather_s)
         self.clients: dict[str, Any] = {}
@@ -103,9 +123,11 @@ class ChorusBucket:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chorus-bucket")
         self.metrics = BucketMetrics(name, model_name)
         self.metrics.members(0, options.bucket_size)
+        log_to_actor_stdout(logger)
 
     def __repr__(self) -> str:
-        return f"ChorusBucket({self.model_name}, {self.options.bucket_size} slots, {self.device})"
+        # bucket_size, not the slots now: compaction shrinks those.
+        return f"ChorusBucket({self.model_name}, bucket_size={self.options.bucket_size}, {self.device})"
 
     @property
     def live(self) -> int:
@@ -233,6 +255,7 @@ class ChorusBucket:
             while len(self.retired) > _RETIRED_KEEP:
                 self.retired.popitem(last=False)
         self.clients.pop(member, None)
+        wasted = self.book.wasted
         if record.in_slot:
             async with self._lock:  # slots change only between iterations
                 slot = self.book.leave(member)
@@ -240,8 +263,12 @@ class ChorusBucket:
                     self.core.retire(slot)
         else:
             self.book.leave(member)  # no slot: nothing for a running iteration to see
+        if self.book.wasted > wasted:
+            logger.info("%s: member %s left with %d result(s) unread, wasted %d", self.name, member,
+                        self.book.wasted - wasted, self.book.wasted)
         self._resolve(member)
         self.metrics.members(self.live, self.core.capacity)
+        self.metrics.wasted(self.book.wasted)
         self._poke()
         return True
 
@@ -365,6 +392,7 @@ class ChorusBucket:
                 return
             self.book.started(chosen)
             members = {r.slot: r.member for r in chosen}
+            in_slots, capacity = self.live, self.core.capacity  # as this iteration found them
             start = time.perf_counter()
             try:
                 out, states = await self._in_thread(self._train, sorted(members))
@@ -394,7 +422,7 @@ class ChorusBucket:
             self._resolve(member)
         for member in finished:
             self._notify_pool(member, "finished")
-        self._report(len(out), seconds)
+        self._report(len(out), in_slots, capacity, seconds)
 
     def _train(self, slots: list[int]) -> tuple[dict[int, dict], dict[int, dict]]:
         out = self.core.run_iteration(slots)
@@ -416,15 +444,16 @@ class ChorusBucket:
                 rk.ROUTE: metrics.get("route", self.core.route), rk.LIVE: live,
                 rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions}
 
-    def _report(self, trained: int, seconds: float) -> None:
+    def _report(self, trained: int, in_slots: int, capacity: int, seconds: float) -> None:
         steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
         self._steps_seen = self.core.fused_steps
-        batch = self._batch_size()
-        self.metrics.iteration(steps, steps * batch * trained, seconds, self.core.route)
+        samples = steps * self._batch_size() * trained
+        self.metrics.iteration(steps, samples, seconds, self.core.route)
         self.metrics.members(self.live, self.core.capacity)
-        logger.info("%s: iteration %d, %d trained, %d/%d live, route=%s, %.3fs, %.0f samples/s, wasted=%d",
-                    self.name, self.iterations, trained, self.live, self.core.capacity, self.core.route,
-                    seconds, steps * batch * trained / seconds if seconds > 0 else 0.0, self.book.wasted)
+        self.metrics.wasted(self.book.wasted)
+        logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, self.core.route,
+                    seconds, 1000 * seconds / steps if steps else 0.0, samples / seconds if seconds > 0 else 0.0,
+                    self.book.wasted)
 
     def _batch_size(self) -> int:
         for record in self.book.in_slots():
@@ -472,7 +501,9 @@ class ChorusBucket:
             "ever": list(self.ever), "reaped": list(self.reaped),
             "route": self.core.route, "iterations": self.iterations, "fused_steps": self.core.fused_steps,
             "compactions": self.compactions, "wasted": self.book.wasted, "max_queue": self.book.max_queue,
-            "node_id": ray.get_runtime_context().get_node_id(),
+            "node_id": self.node_id, "device": self.device, "requested_device": self.choice.requested,
+            "gpu_ids": list(self.choice.gpu_ids), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            "pid": os.getpid(),
         }
 
     async def drained(self) -> bool:

@@ -19,7 +19,8 @@ A bucket does the work, a trial only talks to it, so:
 from __future__ import annotations
 
 import math
-from typing import Mapping
+from dataclasses import dataclass
+from typing import Mapping, Sequence
 
 # Ray accounts resources in units of 1e-4.
 _GRANULE = 1e-4
@@ -60,3 +61,51 @@ def trial_token_cpu(cluster: Mapping[str, float], per_bucket: Mapping[str, float
     slots = bucket_size * bucket_budget(cluster, per_bucket)
     token = math.floor(cpus / slots / _GRANULE) * _GRANULE
     return round(min(1.0, max(_GRANULE, token)), 4)
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    """Where a bucket trains (docs/design.md D14).
+
+    ``gpu_ids``: the ids of the GPUs Ray gave the bucket, as Ray names them on
+    the bucket's own node. ``requested``: the torch device those ids mean in
+    the bucket's process (``"cpu"`` without a GPU). ``device``: where it
+    trains: ``requested``, or ``"cpu"`` where torch has no CUDA (a GPU
+    declared to Ray on a machine without one, or a CPU build of torch).
+    """
+
+    requested: str
+    device: str
+    gpu_ids: tuple[str, ...] = ()
+
+    @property
+    def fell_back(self) -> bool:
+        """Ray gave a GPU, but the bucket trains on the CPU."""
+        return self.device != self.requested
+
+
+def pick_device(gpu_ids: Sequence[object], cuda_visible_devices: str | None,
+                cuda_available: bool) -> DeviceChoice:
+    """The device of a bucket that Ray gave ``gpu_ids`` (``ray.get_gpu_ids()``).
+
+    The index comes from this process alone, never from a count of buckets or
+    GPUs, which would assume one node: it is the position of Ray's first id in
+    ``CUDA_VISIBLE_DEVICES``. Ray sets that variable in each actor to the GPUs
+    it assigned, so a bucket with one GPU trains on ``cuda:0``, its own card,
+    whichever of the node's cards that is. Where the variable is unset (Ray
+    told not to set it), torch sees every card of the node and Ray's id is the
+    index. A bucket given several GPUs trains on the first.
+    """
+    ids = tuple(str(i) for i in gpu_ids)
+    if not ids:
+        return DeviceChoice("cpu", "cpu", ids)
+    if cuda_visible_devices is None:
+        index = int(ids[0])
+    else:
+        visible = [v.strip() for v in cuda_visible_devices.split(",") if v.strip()]
+        if ids[0] not in visible:
+            raise ValueError(f"Ray gave this bucket GPU {ids[0]}, but CUDA_VISIBLE_DEVICES="
+                             f"{cuda_visible_devices!r} hides it: was the variable overridden?")
+        index = visible.index(ids[0])
+    requested = f"cuda:{index}"
+    return DeviceChoice(requested, requested if cuda_available else "cpu", ids)
