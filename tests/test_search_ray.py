@@ -115,3 +115,54 @@ def test_tuner_restore_reseats_members_and_every_trial_follows_its_reference(tmp
         assert rows["iteration"].tolist() == [1, 2, 3], frame.to_string()
         assert (rows["chorus/member"] == r.metrics["chorus/member"]).all()
         assert rows["val_loss"].tolist() == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)
+
+
+def _seat_one(pool, trainable, member, lr):
+    from chorus_tune.tune.members import Plan
+
+    args = ([(member, {"lr": lr}, 7)], trainable._task_id, trainable._task_blob, trainable.bucket_options(), Plan())
+    return ray.get(pool.seat.remote(*args))[member]
+
+
+def test_seating_again_keeps_a_member_a_trial_already_reads():
+    # A restore in the same driver seats ChorusSearch's members again; a
+    # restarted trial may already read one of them by then. The re-seat must
+    # not pull that member from under it.
+    from chorus_tune.tune import ChorusTrainable
+    from chorus_tune.tune.options import Join
+    from chorus_tune.tune.pool import get_pool
+    from tune_support import digits_task
+
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1)
+    pool = get_pool(create=True)
+    assert _seat_one(pool, trainable, "m-kept", 0.1) == "seated"
+    assert ray.get(pool.bind.remote("trial-kept", ["m-kept"])) == "m-kept"
+    reservation = ray.get(pool.reserve.remote("trial-kept", trainable._task_id, None, {"lr": 0.1},
+                                              trainable.bucket_options()))
+    name, bucket = ray.get(pool.await_placement.remote(reservation.member))
+    first = ray.get(bucket.next_result.remote("m-kept", Join(config={"lr": 0.1}, seed=7)), timeout=60)
+
+    assert _seat_one(pool, trainable, "m-kept", 0.1) == "seated"
+    assert ray.get(pool.bind.remote("trial-kept", ["m-kept"])) == "m-kept"
+    second = ray.get(bucket.next_result.remote("m-kept"), timeout=60)
+    assert (first["iteration"], second["iteration"]) == (1, 2)
+    assert ray.get(pool.bucket_of.remote("trial-kept"))[0] == name
+    ray.get(pool.trial_left.remote("trial-kept"))
+
+
+def test_seating_again_restarts_a_member_no_trial_reads():
+    from chorus_tune.tune import ChorusTrainable
+    from chorus_tune.tune.options import Join
+    from chorus_tune.tune.pool import get_pool
+    from tune_support import digits_task
+
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1)
+    pool = get_pool(create=True)
+    assert _seat_one(pool, trainable, "m-fresh", 0.1) == "seated"
+    name, bucket = ray.get(pool.await_placement.remote("m-fresh"))
+    ray.get(bucket.next_result.remote("m-fresh", Join(config={"lr": 0.1}, seed=7)), timeout=60)
+
+    assert _seat_one(pool, trainable, "m-fresh", 0.1) == "seated"
+    name, bucket = ray.get(pool.await_placement.remote("m-fresh"))
+    assert ray.get(bucket.next_result.remote("m-fresh"), timeout=60)["iteration"] == 1
+    ray.get(pool.leave.remote("m-fresh"))

@@ -138,8 +138,17 @@ class ChorusPool:
             return NEED_TASK
         out, placements = {}, []
         for member, config, seed in seats:
-            if member in self.seats or member in self.homes or member in self.failed:
-                # Seated again (ChorusSearch restored in this job): start afresh.
+            known = member in self.seats or member in self.homes or member in self.failed
+            if known and member in self._claimed():
+                # Seated again (ChorusSearch restored in this job) while a
+                # trial is bound to it or reads it: restarting it would pull
+                # it from under that trial ("not in bucket", "left before it
+                # was placed"). It stays as it is; its results are still
+                # queued from iteration 1 for a trial that has not read yet.
+                out[member] = self._seat_status(member)
+                continue
+            if known:
+                # Seated again with no trial on it: start afresh.
                 await self.leave(member)
             try:
                 key = self._key(task_id_, options, config)
@@ -159,12 +168,24 @@ class ChorusPool:
             asyncio.get_running_loop().create_task(self._realize_waiting(placed))
         return out
 
+    def _claimed(self) -> set[str]:
+        """Members a trial is bound to or reads now."""
+        return set(self.bound.values()) | {member for member, _ in self.reading.values()}
+
+    def _seat_status(self, member: str) -> str:
+        if member in self.failed:
+            return "failed"
+        return "seated" if member in self.homes else "queued"
+
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
         """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
         first): one with a bucket before one still waiting for a slot, so the
-        trials Tune runs read results that exist. Returns the member."""
+        trials Tune runs read results that exist. Returns the member; for a
+        trial that runs already, the candidate it reads, or ``None`` when it
+        reads a member of its own."""
         if trial_id in self.reading:
-            return None  # it runs already, reading a member of its own
+            member = self.reading[trial_id][0]
+            return member if member in candidates else None
         known = [m for m in candidates if m in self.seats or m in self.failed]
         if not known:
             return None
