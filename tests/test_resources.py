@@ -5,7 +5,7 @@ import pytest
 
 from chorus_tune.tune.options import BucketOptions, RungSchedule, derived_seed, member_seed
 from chorus_tune.tune.resources import (bucket_actor_options, bucket_budget, default_bucket_resources,
-                                        pick_device, trial_token_cpu)
+                                        pick_device, shared_threads, trial_token_cpu)
 
 
 def test_cpu_only_cluster_gets_one_bucket_per_core_and_a_token_per_slot():
@@ -81,3 +81,9 @@ def test_a_gpu_declared_where_torch_has_no_cuda_falls_back_to_the_cpu_and_says_s
 def test_a_gpu_hidden_from_the_bucket_is_a_clear_error():
     with pytest.raises(ValueError, match="GPU 2.*CUDA_VISIBLE_DEVICES"):
         pick_device([2], "0,1", cuda_available=True)
+
+
+def test_buckets_share_the_cores_of_their_own_node_not_the_clusters():
+    threads = shared_threads({"a": 2.0, "b": 8.0}, {"x": "a", "y": "a", "z": "b", "starting": None})
+    # Two buckets on the 2-core node, one on the 8-core node; one still starting keeps its own.
+    assert threads == {"x": 1, "y": 1, "z": 8}

@@ -123,6 +123,10 @@ class ChorusBucket:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chorus-bucket")
         self.metrics = BucketMetrics(name, model_name)
         self.metrics.members(0, options.bucket_size)
+        if pool is not None:
+            # The pool records where the bucket runs (its stats keep it after
+            # the bucket is gone) and shares each node's cores among its buckets.
+            pool.bucket_started.remote(name, self.where())
         log_to_actor_stdout(logger)
 
     def __repr__(self) -> str:
@@ -490,6 +494,11 @@ class ChorusBucket:
         return False
 
     # ----- inspection and closing -----------------------------------------------------------------
+    def where(self) -> dict[str, Any]:
+        """Where the bucket runs: its node, its device, the device it was given."""
+        return {"node_id": self.node_id, "device": self.device, "requested_device": self.choice.requested,
+                "gpu_ids": list(self.choice.gpu_ids)}
+
     async def describe(self) -> dict[str, Any]:
         records = self.book.records
         return {
@@ -501,8 +510,7 @@ class ChorusBucket:
             "ever": list(self.ever), "reaped": list(self.reaped),
             "route": self.core.route, "iterations": self.iterations, "fused_steps": self.core.fused_steps,
             "compactions": self.compactions, "wasted": self.book.wasted, "max_queue": self.book.max_queue,
-            "node_id": self.node_id, "device": self.device, "requested_device": self.choice.requested,
-            "gpu_ids": list(self.choice.gpu_ids), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
+            **self.where(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "pid": os.getpid(),
         }
 

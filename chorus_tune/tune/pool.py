@@ -13,7 +13,9 @@ the pool (their buckets are closed when empty).
 
 Buckets are created by the pool, with ``scheduling_strategy="DEFAULT"``: Tune
 captures child actors into the trial's placement group, and a bucket created
-there would die with that trial.
+there would die with that trial. On a cluster, Ray puts each bucket where its
+resources are (a GPU on any node); the pool itself lives on the head node
+(:mod:`chorus_tune.tune.cluster`), so losing a worker node never loses it.
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from .grouping import should_compact
 from .members import Plan
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
-from .resources import bucket_actor_options, bucket_budget, default_bucket_resources
+from .cluster import node_cpus, pool_scheduling_strategy
+from .resources import bucket_actor_options, bucket_budget, default_bucket_resources, shared_threads
 
 logger = logging.getLogger(__name__)
 
@@ -448,16 +451,25 @@ class ChorusPool:
         share every core: a lone bucket (one bucket of 32, say) then uses both
         cores of a 2-core machine instead of idling one. Buckets given explicit
         resources keep the threads their CPU share says."""
-        cluster = ray.cluster_resources()
-        if cluster.get("GPU", 0) > 0:
+        if ray.cluster_resources().get("GPU", 0) > 0:
             return
         shared = [n for n, h in self.handles.items() if n in self.placement.buckets
                   and self.key_info[self.placement.buckets[n].key][1].resources_per_bucket is None]
         if not shared:
             return
-        threads = max(1, int(cluster.get("CPU", 1)) // len(shared))
-        for name in shared:
+        # Per node: a bucket shares the cores of the node it runs on, not the cluster's.
+        nodes = {name: self.history.get(name, {}).get("node_id") for name in shared}
+        for name, threads in shared_threads(node_cpus(), nodes).items():
             self.handles[name].set_threads.remote(threads)
+
+    async def bucket_started(self, name: str, where: dict) -> None:
+        """Bucket ``name`` runs: ``where`` holds its ``node_id``, ``device``,
+        ``requested_device`` and ``gpu_ids``. Kept in its history, so the stats
+        say where a bucket ran after it closed or died with its node."""
+        if name in self.history:
+            self.history[name].update(where)
+        if name in self.handles:
+            self._share_cores()
 
     async def _close_actor(self, name: str) -> None:
         handle = self.handles.pop(name, None)
@@ -523,8 +535,9 @@ class ChorusPool:
     async def stats(self) -> dict[str, dict]:
         """Every bucket this pool opened: model, bucket_size, capacity (less after
         compaction), the members it trained (``trials``), its current members,
-        whether it closed, died or reaped members, and, while it is open, its
-        node, wasted member-iterations, iterations and route."""
+        whether it closed, died or reaped members; once it started, where it
+        runs (``node_id``, ``device``, ``requested_device``, ``gpu_ids``); and,
+        read while it is open, wasted member-iterations, iterations and route."""
         out = {}
         for name, info in self.history.items():
             record = self.placement.buckets.get(name) if self.placement else None
@@ -560,7 +573,7 @@ def get_pool(create: bool = False, job_id: str | None = None):
             return None
     return PoolActor.options(
         name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        num_cpus=0, scheduling_strategy="DEFAULT", max_restarts=0,
+        num_cpus=0, scheduling_strategy=pool_scheduling_strategy(), max_restarts=0,
     ).remote(job_id or ray.get_runtime_context().get_job_id())
 
 

@@ -109,3 +109,20 @@ def pick_device(gpu_ids: Sequence[object], cuda_visible_devices: str | None,
         index = visible.index(ids[0])
     requested = f"cuda:{index}"
     return DeviceChoice(requested, requested if cuda_available else "cpu", ids)
+
+
+def shared_threads(node_cpus: Mapping[str, float], bucket_nodes: Mapping[str, str | None]) -> dict[str, int]:
+    """Threads for each bucket that shares its node's cores (CPU-only default resources).
+
+    ``node_cpus``: each node's CPUs; ``bucket_nodes``: where each bucket runs
+    (``None`` while it starts). The buckets on one node share that node's
+    cores, never the cluster's: two buckets on a 2-core node get one thread
+    each, however many cores other nodes have. A bucket whose node is not
+    known yet is left out (it keeps the threads it started with).
+    """
+    by_node: dict[str, list[str]] = {}
+    for bucket, node in bucket_nodes.items():
+        if node is not None and node in node_cpus:
+            by_node.setdefault(node, []).append(bucket)
+    return {bucket: max(1, int(node_cpus[node]) // len(buckets))
+            for node, buckets in by_node.items() for bucket in buckets}

@@ -1,0 +1,144 @@
+"""Shared pieces of the cluster tests (docs/design.md D14): fake Ray clusters as Ray's own tests
+build them (``ray.cluster_utils.Cluster``), a sweep, and its checks against ``reference.train``.
+
+Each fake node is a raylet of its own on this machine, with the CPUs and GPUs
+it declares. Ray enforces neither: a declared GPU needs no card. Ray still
+assigns GPU ids per node and sets ``CUDA_VISIBLE_DEVICES`` in each bucket
+actor; a bucket whose torch has no CUDA trains on the CPU and says so. All
+nodes share this machine's disk, so Tune's ``storage_path`` is reachable from
+every node, as a shared file system or an object store must be on a real one.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import tempfile
+from contextlib import contextmanager
+
+import pytest
+import ray
+import ray.cloudpickle
+from ray import tune
+from ray.cluster_utils import Cluster
+
+from chorus_tune import Task, reference
+from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
+from tune_support import by_iteration, digits, digits_task, mlp
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module
+
+HEAD_CPUS = 2
+WORKER_CPUS = 2
+GPUS_PER_WORKER = 2
+# A sweep that goes past this fails instead of hanging the suite (the machine
+# has 2 cores shared by every node's processes: a minute or two is usual).
+RUN_LIMIT_S = 480
+
+
+@contextmanager
+def own_ray_tmpdir():
+    """RAY_TMPDIR set to a fresh short directory while the block runs.
+
+    ``Cluster`` writes its address to ``<RAY_TMPDIR>/ray/ray_current_cluster``,
+    where a plain ``ray.init()`` elsewhere on this machine would find it and
+    connect. Short, because Ray's socket paths must stay under 108 bytes.
+    """
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RAY_TMPDIR", tempfile.mkdtemp(prefix="rc", dir="/tmp"))
+        yield
+
+
+@contextmanager
+def fake_cluster(workers: int = 2, gpus_per_worker: int = GPUS_PER_WORKER):
+    """A head (the driver and the pool; CPUs, no GPU) and ``workers`` nodes with
+    CPUs and GPUs, the driver connected; shut down on leaving."""
+    if ray.is_initialized():
+        ray.shutdown()
+    with own_ray_tmpdir():
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": HEAD_CPUS, "include_dashboard": False})
+        try:
+            nodes = [cluster.add_node(num_cpus=WORKER_CPUS, num_gpus=gpus_per_worker) for _ in range(workers)]
+            ray.init(address=cluster.address, configure_logging=False)
+            yield cluster, nodes
+        finally:
+            ray.shutdown()
+            cluster.shutdown()
+
+
+@contextmanager
+def never_hangs(limit_s: int = RUN_LIMIT_S):
+    """Fail (not hang) when the block takes longer than ``limit_s``."""
+    def expire(signum, frame):
+        raise TimeoutError(f"the sweep ran past {limit_s}s: it hangs")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(limit_s)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def loads_where_it_runs(log_dir: str):
+    """``digits()``, leaving in ``log_dir`` a file named for the node and process that loaded it."""
+    node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else "no-ray"
+    with open(os.path.join(log_dir, f"{node}.{os.getpid()}"), "w"):
+        pass
+    return digits()
+
+
+def nodes_that_loaded(log_dir: str) -> set[str]:
+    return {name.split(".")[0] for name in os.listdir(log_dir)}
+
+
+def assert_on_reference(result, iterations: int) -> None:
+    """Every iteration the trial reported equals ``reference.train``'s for its
+    config and seed, and the member's own iteration count is Tune's
+    ``training_iteration``: a member that resumed went on from its checkpoint,
+    not from scratch."""
+    config = {"lr": result.config["lr"], "seed": result.config["seed"]}
+    # A task of its own: it loads the data here, in the driver.
+    history, _ = reference.train(digits_task(), config, seed=config["seed"], iterations=iterations)
+    got = by_iteration(result)  # a resumed trial's table may hold only its rows after the resume
+    assert max(got) == iterations
+    for iteration, value in got.items():
+        assert value == pytest.approx(history[iteration - 1]["val_loss"], rel=1e-5), (config, iteration)
+    frame = result.metrics_dataframe
+    assert (frame["iteration"] == frame["training_iteration"]).all()
+
+
+class OpenBuckets(tune.Callback):
+    """Reads the pool's stats as results arrive, until one reading shows buckets
+    that have trained and are open on ``nodes`` distinct nodes at once
+    (``seen``: that reading's open buckets)."""
+
+    def __init__(self, nodes: int):
+        self.nodes, self.seen = nodes, None
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if self.seen is None:
+            running = {name: s for name, s in bucket_stats().items()
+                       if not s["closed"] and s.get("iterations", 0) >= 1}
+            if len({s["node_id"] for s in running.values()}) >= self.nodes:
+                self.seen = running
+
+
+def sweep(storage: str, trials: int, bucket_size: int, iterations: int, callbacks: list = (),
+          data_log: str | None = None, **run) -> tune.ResultGrid:
+    """``trials`` configs (8 learning rates times seeds 0, 1, ...) under FIFO,
+    seated by ChorusSearch; members train to ``iterations`` on their own.
+    ``data_log``: the buckets note there where they loaded the data."""
+    data = digits if data_log is None else functools.partial(loads_where_it_runs, data_log)
+    task = Task(model=mlp, data=data, optimizer="sgd", batch_size=64)
+    trainable = ChorusTrainable.for_task(task, bucket_size=bucket_size)
+    lrs = [0.02 * (i + 1) for i in range(8)]
+    return tune.Tuner(
+        trainable,
+        param_space={"lr": tune.grid_search(lrs), "seed": tune.grid_search(list(range(trials // len(lrs))))},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=trials, reuse_actors=True,
+                                    search_alg=ChorusSearch(task=trainable, max_iterations=iterations)),
+        run_config=tune.RunConfig(storage_path=storage, stop={"training_iteration": iterations}, verbose=0,
+                                  callbacks=list(callbacks), **run)).fit()
