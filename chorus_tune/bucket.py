@@ -2,33 +2,29 @@
 from __future__ import annotations
 
 import secrets
-import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.func import functional_call
 
 from . import losses
 from .capacity import describe_memory, is_out_of_memory, release_memory
 from .data import BatchOrder, SharedBatches, eval_batches, first_batch
 from .member_state import check_member_state
-from .optim import StackedOptimizer, hyperparameters, scheduled_lr
+from .optim import OptimizerSnapshot, StackedOptimizer, hyperparameters, scheduled_lr
+from .precision import autocast
+from .route import PROBE_TOLERANCE, ROUTES, ProbeResult, RouteChoice, RouteReason, decide
+from .rows import RowCopies
 from .seeds import as_seed
-from .stack import MemberStack, mean_loss, module_key
+from .stack import MemberStack, StructuralKey, mean_loss, module_key
 from .task import Task, TensorSplit
 
-ROUTES = ("auto", "vmap", "eager")
-STATE_FORMAT = 1
+__all__ = ["Bucket", "MemberOutOfMemory", "ROUTES", "RouteReason", "STATE_FORMAT"]
 
-# How far the two routes may disagree on the probe and still count as the same
-# computation: batched and unbatched matmuls sum in different orders (~1e-7
-# relative), while a real mismatch (a member whose forward reads its own
-# attributes) is off by the size of the activations.
-_PROBE_RTOL, _PROBE_ATOL = 1e-3, 1e-5
-_TIMING_REPEATS = 5
-_PROBE_RAN_OUT = "the route probe ran out of memory even one member at a time: eager (always correct)"
+STATE_FORMAT = 1
+# The routes that run the whole stack in one call (MemberStack.call).
+_STACK_ROUTES = ("vmap", "compiled")
 
 
 class MemberOutOfMemory(RuntimeError):
@@ -56,9 +52,8 @@ class MemberOutOfMemory(RuntimeError):
 
 @dataclass
 class _Snapshot:
-    rows: list[int] | None  # None: every row
-    tensors: list[torch.Tensor]  # stack tensors, then optimizer tensors
-    without_buffer: set[int]
+    stack: RowCopies
+    optimizer: OptimizerSnapshot
 
 
 @dataclass
@@ -91,16 +86,17 @@ class Member:
 class Bucket:
     """Up to ``capacity`` members that share a structural key, trained as one.
 
-    Members are added with :meth:`add` (new, or restored from a
-    :meth:`member_state`), trained one iteration at a time by
-    :meth:`run_iteration` (every live member, or a chosen subset, fused), and removed
-    with :meth:`retire`. A retired or empty slot is masked, never reshaped: its
-    parameters, buffers and optimizer state stay bit-for-bit frozen.
-    :meth:`compact` drops empty slots between iterations.
+    Members come in with :meth:`add` (new) or :meth:`restore` (from a
+    :meth:`member_state`), are trained one iteration at a time by
+    :meth:`run_iteration` (every live member, or a chosen subset, fused), and
+    leave with :meth:`retire`. A retired or empty slot is masked, never
+    reshaped: its parameters, buffers and optimizer state stay bit-for-bit
+    frozen. :meth:`compact` drops empty slots between iterations.
 
-    ``route`` is ``"auto"`` (check vmap against an eager loop on a probe batch,
-    fall back to eager on any mismatch or error, else keep the faster),
-    ``"vmap"`` or ``"eager"``.
+    ``route`` is ``"auto"`` (probe the fused routes against an eager loop on
+    a probe batch, keep the fastest that agrees: docs/design.md D8 and
+    ``chorus_tune/route.py``), ``"vmap"``, ``"compiled"`` or ``"eager"``.
+    :meth:`route_report` says which runs and why.
 
     Out of memory (docs/design.md D13): an iteration that runs out is put back and
     finished in smaller groups (see :meth:`run_iteration`). ``max_group`` is the
@@ -112,15 +108,9 @@ class Bucket:
     def __init__(self, task: Task, capacity: int, device: str | torch.device = "cpu", route: str = "auto"):
         if capacity < 1:
             raise ValueError(f"capacity must be positive; got {capacity}")
-        if route not in ROUTES:
-            raise ValueError(f"route must be one of {ROUTES}; got {route!r}")
+        self.routing = RouteChoice(route)  # a ValueError for an unknown route
         self.task, self.capacity, self.device = task, capacity, torch.device(device)
-        self.requested_route = route
-        self.route: str | None = None if route == "auto" else route
-        self.route_reason = "requested" if route != "auto" else "undecided"
-        self._timed = False
-        self._route_checked = route != "auto"
-        self.key: tuple | None = None
+        self.key: StructuralKey | None = None
         self.model_name: str | None = None
         self.members: list[Member | None] = [None] * capacity
         self.stack: MemberStack | None = None
@@ -128,9 +118,39 @@ class Bucket:
         self._train = self._val = None
         self._shared: SharedBatches | None = None
         self._loss = task.loss_fn
+        # One object each, for the life of the bucket: the compiled route
+        # keeps one graph per function it is handed.
+        self._train_fn = mean_loss(self._loss)
+        self._eval_fn = _eval_stats(self._loss, task.is_classification)
         self.fused_steps = 0
         self.max_group: int | None = None
         self.oom_recoveries = 0
+
+    # ----- which route, and why (docs/design.md D8) ------------------------------------------------
+    @property
+    def requested_route(self) -> str:
+        return self.routing.requested
+
+    @property
+    def route(self) -> str | None:
+        """The route the fused step takes: ``"vmap"``, ``"compiled"``,
+        ``"eager"``, or ``None`` before the first probe."""
+        return self.routing.route
+
+    @property
+    def route_reason(self) -> RouteReason:
+        return self.routing.reason
+
+    def route_report(self) -> dict[str, Any]:
+        """The route, why (``reason``: a :class:`RouteReason` value, and its
+        ``description``), the probe's best step time per route (``seconds``),
+        the candidates it rejected and why, the members left out of the
+        comparison as non-finite, and the compiled route's compilations."""
+        report = self.routing.report()
+        if self.stack is not None:
+            report["compiles"] = self.stack.compiled.compiles
+            report["uncompiled_calls"] = self.stack.compiled.uncompiled_calls
+        return report
 
     # ----- who is here ----------------------------------------------------------------------------
     @property
@@ -160,19 +180,38 @@ class Bucket:
         return f"Bucket({self.model_name or '?'}, {len(self.live_slots)}/{self.capacity} live, route={self.route})"
 
     # ----- members in -----------------------------------------------------------------------------
-    def add(self, config: dict, seed: int | None = None, state: dict | None = None) -> int:
-        """Take a new member (or restore one from ``state``) into a free slot.
+    def add(self, config: dict, seed: int | None = None) -> int:
+        """Take a new member into a free slot; returns the slot.
 
-        Raises whatever the model factory raises, ``ValueError`` for a config
-        of another structure or a full bucket; the bucket is unchanged then.
+        The seed is ``seed``, else the config's ``"seed"``, else a fresh one
+        (reported in every result). Raises whatever the model factory raises,
+        ``ValueError`` for a config of another structure or a full bucket; the
+        bucket is unchanged then.
         """
-        if state is not None:
-            check_member_state(state)
-        config = dict(state["config"] if state is not None and config is None else config)
-        if state is not None:
-            seed = state["seed"]
-        elif seed is None:
+        if not isinstance(config, dict):
+            raise TypeError(f"config must be a dict; got {type(config).__name__} "
+                            "(a saved member goes in with Bucket.restore(state))")
+        config = dict(config)
+        if seed is None:
             seed = as_seed(config["seed"]) if "seed" in config else secrets.randbelow(2**31)
+        return self._take(config, as_seed(seed, "seed"), None)
+
+    def restore(self, state: dict[str, Any], config: dict | None = None) -> int:
+        """Take a member saved by :meth:`member_state` (from any bucket of
+        this structure) into a free slot; returns the slot. It continues
+        exactly where it was saved.
+
+        ``config`` replaces the saved config (PBT: a cloned state under a
+        mutated config); the seed, weights, optimizer state, data order and
+        counters are the state's. Raises ``ValueError`` naming what a state
+        lacks, and as :meth:`add` does otherwise.
+        """
+        check_member_state(state)
+        config = dict(state["config"] if config is None else config)
+        return self._take(config, int(state["seed"]), state)
+
+    def _take(self, config: dict, seed: int, state: dict | None) -> int:
+        # Everything that can fail runs before anything changes.
         free = self.free_slots
         if not free:
             raise ValueError(f"bucket is full ({self.capacity} members)")
@@ -198,16 +237,15 @@ class Bucket:
         self.stack.put(slot, module.to(self.device))
         self.optimizer.set_member(slot, hp, None if state is None else state["optimizer"])
         self.members[slot] = Member(
-            config=config, seed=int(seed), family=family, hp=hp,
+            config=config, seed=seed, family=family, hp=hp,
             iteration=0 if state is None else int(state["iteration"]),
             step=0 if state is None else int(state["step"]),
             order=order,
         )
-        if self.requested_route == "auto":
-            self._route_checked = False  # a newcomer may not be vmap-compatible with the rest
+        self.routing.member_joined()
         return slot
 
-    def _materialise(self, template: nn.Module, key: tuple, config: dict) -> None:
+    def _materialise(self, template: nn.Module, key: StructuralKey, config: dict) -> None:
         self.key, self.model_name = key, type(template).__name__
         train, val = self.task.load_data()
         self._train = train.to(self.device) if isinstance(train, TensorSplit) else train
@@ -221,7 +259,7 @@ class Bucket:
         # then a member's state goes through a real model build.
         self._state_names = ({key: by_identity[id(t)] for key, t in entries.items()}
                              if all(id(t) in by_identity for t in entries.values()) else None)
-        self.optimizer = StackedOptimizer(key[4], self.stack.params)
+        self.optimizer = StackedOptimizer(key.optimizer, self.stack.params)
 
     # ----- members out ----------------------------------------------------------------------------
     def retire(self, slot: int) -> None:
@@ -387,13 +425,13 @@ class Bucket:
         """Whether ``group`` runs vmap'd over its own rows only. Once memory has
         run short, yes: ``MemberStack.vmap_call`` runs every row of the stack
         (masked ones included), so a smaller group would need as much memory."""
-        return self.max_group is not None and route == "vmap" and len(group) < self.capacity
+        return self.max_group is not None and route in _STACK_ROUTES and len(group) < self.capacity
 
     def _rows_touched(self, group: list[int], gather: bool) -> list[int] | None:
         """The rows training ``group`` can change (``None``: all of them): the
         group's own, except that a full-stack vmap also writes every row's
         BatchNorm statistics (put back only at the end of the group)."""
-        if len(group) == self.capacity or (self.route == "vmap" and not gather):
+        if len(group) == self.capacity or (self.route in _STACK_ROUTES and not gather):
             return None
         return group
 
@@ -470,38 +508,16 @@ class Bucket:
 
     def _fused_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool, slots: list[int],
                     route: str | None, gather: bool) -> torch.Tensor:
-        """``fn(output, target)`` of ``slots`` as a ``(capacity, ...)`` tensor, zeros in other rows."""
-        if route != "vmap":
-            return self.stack.eager_call(fn, x, y, shared, slots)
-        if not gather:
-            return self.stack.vmap_call(fn, x, y, shared, template=slots[0])
-        return self._vmap_rows(fn, x, y, shared, slots)
-
-    def _vmap_rows(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool,
-                   slots: list[int]) -> torch.Tensor:
-        """``MemberStack.vmap_call`` over ``slots``' rows only (``x``, ``y``
-        hold those rows already unless ``shared``): memory for the group, not
-        for the whole stack."""
-        rows = torch.tensor(slots, device=self.device)
-        params = {n: p.index_select(0, rows) for n, p in self.stack.params.items()}  # gradients flow back
-        buffers = {n: b.index_select(0, rows) for n, b in self.stack.buffers.items()}
-        skeleton = self.stack.skeletons[slots[0]]
-
-        def member(p: dict, b: dict, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-            return fn(functional_call(skeleton, (p, b), (xb,)), yb)
-
-        data_dim = None if shared else 0
-        out = torch.vmap(member, in_dims=(0, 0, data_dim, data_dim), randomness="different")(params, buffers, x, y)
-        with torch.no_grad():  # train-mode BatchNorm updated the gathered copies
-            for n, b in buffers.items():
-                self.stack.buffers[n].index_copy_(0, rows, b)
-        return out.new_zeros((self.capacity, *out.shape[1:])).index_copy(0, rows, out)
+        """``fn(output, target)`` of ``slots`` as a ``(capacity, ...)`` tensor
+        (see ``MemberStack.call``), in the task's precision."""
+        with autocast(self.task.precision, self.device):
+            return self.stack.call(route, fn, x, y, shared, slots, gather)
 
     def _train_step(self, x, y, shared: bool, lr: torch.Tensor, active: torch.Tensor,
                     live: list[int], route: str, gather: bool = False) -> torch.Tensor:
         for p in self.stack.params.values():
             p.grad = None
-        member_losses = self._fused_call(mean_loss(self._loss), x, y, shared, live, route, gather)
+        member_losses = self._fused_call(self._train_fn, x, y, shared, live, route, gather)
         # Sum, not mean, over members: each member's gradient keeps the scale of
         # its unfused run (a mean would divide every learning rate by K).
         torch.where(active, member_losses, torch.zeros_like(member_losses)).sum().backward()
@@ -526,39 +542,28 @@ class Bucket:
     @torch.no_grad()
     def _evaluate(self, live: list[int], gather: bool = False) -> dict[str, list[float]]:
         self.stack.set_training(False)
-        classification = self.task.is_classification
-        loss_fn = self._loss
-
-        def stats(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-            loss_sum = loss_fn(output, target).sum()
-            if not classification:
-                return loss_sum.reshape(1)
-            return torch.stack([loss_sum, losses.accuracy_count(output, target).to(loss_sum.dtype)])
-
+        # Evaluation is not compiled: it runs once an iteration, and compiling
+        # it would add graphs (and minutes) for little.
+        route = "vmap" if self.route == "compiled" else self.route
         total, count = None, 0
         for x, y in eval_batches(self._val, self.task.eval_batch_size, self.device):
-            batch_stats = self._fused_call(stats, x, y, True, live, self.route, gather)
+            batch_stats = self._fused_call(self._eval_fn, x, y, True, live, route, gather).float()
             total = batch_stats if total is None else total + batch_stats
             count += int(y.shape[0])
         values = (total / count).tolist()
         out = {"val_loss": [row[0] for row in values]}
-        if classification:
+        if self.task.is_classification:
             out["val_accuracy"] = [row[1] for row in values]
         return out
 
-    # ----- choosing the route (docs/design.md D8) ---------------------------------------------------------
+    # ----- choosing the route (docs/design.md D8; the decision is chorus_tune/route.py's) ------------------
     def _ensure_route(self, live: list[int]) -> None:
-        if self._route_checked:
+        if not self.routing.needs_probe():
             return
-        self._route_checked = True
-        if self.route == "eager" and self.route_reason != "faster":
-            return  # already fell back for a mismatch: stays eager
-        if self.route == "eager" and self._timed:
-            return  # eager was faster; eager is always correct for newcomers
         size = self._group_size(len(live))
         while not self._probe_routes(live, size):
             if size == 1:
-                self.route, self.route_reason = "eager", _PROBE_RAN_OUT
+                self.routing.settle("eager", RouteReason.PROBE_OUT_OF_MEMORY)
                 return
             size = self._limit_group(size)
 
@@ -580,119 +585,82 @@ class Bucket:
         self.oom_recoveries += 1
         return False
 
+    def _candidates(self) -> list[str]:
+        """The fused routes to probe: the one running now once timed (a
+        newcomer re-checks it), else every fused route the task allows."""
+        if self.routing.timed and self.route is not None:
+            return [self.route]
+        return ["compiled", "vmap"] if self.task.compile else ["vmap"]
+
     def _decide_route(self, live: list[int], size: int) -> None:
         snapshot = self._snapshot_state()
         self.stack.set_training(True)
         switched = self.stack.disable_dropout()
         try:
             groups = [live[i:i + size] for i in range(0, len(live), size)]
-            for group in groups:
-                agree, reason = self._probe_agrees(group, snapshot)
-                if not agree:
-                    self.route, self.route_reason = "eager", reason
-                    return
-            if not self._timed:
-                self.route_timings = self._time_routes(groups[0], snapshot)
-                self._timed = True
-                faster = min(self.route_timings, key=self.route_timings.get)
-                self.route, self.route_reason = faster, "faster"
+            decide(self.routing, self._candidates(), groups, self._probe_step,
+                   reset=lambda: self._restore_state(snapshot), sync=self._sync,
+                   tolerance=PROBE_TOLERANCE[self.task.precision], is_fatal=is_out_of_memory)
         finally:
             for m in switched:
                 m.train()
             self._restore_state(snapshot)
 
-    def _probe_step(self, route: str, live: list[int]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """One training step of ``live`` on the probe batch: their rows of every
-        state tensor afterwards, and their losses."""
-        x, y = first_batch(self._train, self.task.batch_size_for(self.members[live[0]].config))
-        x, y = x.to(self.device), y.to(self.device)
+    def _probe_batch(self, live: list[int], gather: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """The probe's batch, shaped as training's: one per member (each its
+        own next batch, its order not advanced) with tensor data, else the
+        first shared one. A probe on one shared batch would not exercise the
+        per-member indexing that training runs."""
+        batch = self.task.batch_size_for(self.members[live[0]].config)
+        if not isinstance(self._train, TensorSplit):
+            x, y = first_batch(self._train, batch)
+            return x.to(self.device), y.to(self.device), True
+        index = torch.zeros(self.capacity, batch, dtype=torch.long)
+        for k in live:
+            index[k] = self.members[k].order.peek()
+        rows = index.to(self.device)
+        if gather:
+            rows = rows[live]
+        x, y = self._train.tensors
+        return x[rows], y[rows], False
+
+    def _probe_step(self, route: str, live: list[int]) -> ProbeResult:
+        """One training step of ``live`` on the probe batch: their losses and
+        their rows of every state tensor afterwards."""
+        gather = self._gathers(live, route)
+        x, y, shared = self._probe_batch(live, gather)
         active = self._active_mask(live)
         lr = torch.tensor([self.members[k].hp["lr"] if k in live else 0.0 for k in range(self.capacity)],
                           device=self.device)
-        losses_ = self._train_step(x, y, True, lr, active, live, route, self._gathers(live, route)).detach()
+        losses_ = self._train_step(x, y, shared, lr, active, live, route, gather).detach()
         rows = torch.tensor(live, device=self.device)
-        return [t.detach()[rows] for t in self.stack.state_tensors()], losses_[rows]
-
-    def _probe_agrees(self, live: list[int], snapshot: _Snapshot) -> tuple[bool, str]:
-        eager_state, eager_losses = self._probe_step("eager", live)
-        self._restore_state(snapshot)
-        try:
-            vmap_state, vmap_losses = self._probe_step("vmap", live)
-        except Exception as exc:  # an op without a batching rule, data-dependent control flow, ...
-            if is_out_of_memory(exc):
-                raise  # not a verdict on vmap: see _probe_routes
-            return False, f"vmap failed: {type(exc).__name__}: {exc}"
-        finally:
-            self._restore_state(snapshot)
-        pairs = [(eager_losses, vmap_losses), *zip(eager_state, vmap_state)]
-        for a, b in pairs:
-            if a.is_floating_point():
-                if not torch.allclose(a, b, rtol=_PROBE_RTOL, atol=_PROBE_ATOL, equal_nan=True):
-                    return False, "vmap disagreed with the per-member loop on the probe batch"
-            elif not torch.equal(a, b):
-                return False, "vmap disagreed with the per-member loop on the probe batch"
-        return True, "agrees"
-
-    def _time_routes(self, live: list[int], snapshot: tuple) -> dict[str, float]:
-        # Interleaved and best-of-N: a single timing of each route picked the
-        # slow one on a loaded 2-core machine.
-        best = {"vmap": float("inf"), "eager": float("inf")}
-        for _ in range(_TIMING_REPEATS):
-            for route in best:
-                self._sync()
-                start = time.perf_counter()
-                self._probe_step(route, live)
-                self._sync()
-                best[route] = min(best[route], time.perf_counter() - start)
-                self._restore_state(snapshot)
-        return best
+        return ProbeResult(losses_[rows], [t.detach()[rows] for t in self.stack.state_tensors()])
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _state_tensors(self) -> list[torch.Tensor]:
-        return [*self.stack.state_tensors(), *self.optimizer.tensors()]
-
     def _snapshot_state(self, rows: list[int] | None = None, to_host: bool = False) -> _Snapshot:
         """Copies of every stack and optimizer tensor (of ``rows`` only, if
         given), for :meth:`_restore_state`.
 
-        ``to_host``: the copies go to host memory (asynchronously from CUDA:
-        they are read only after the stream has passed them). An iteration's
-        safety net must not itself take the device memory it guards; the route
-        probe, which restores a dozen times, keeps its copies on the device.
+        ``to_host``: an iteration's safety net must not itself take the device
+        memory it guards; the route probe, which restores a dozen times, keeps
+        its copies on the device.
         """
-        index = None if rows is None else torch.tensor(rows, device=self.device)
-        copies = []
-        for t in self._state_tensors():
-            part = t.detach() if index is None else t.detach().index_select(0, index)
-            if to_host:
-                part = part.to("cpu", copy=index is None, non_blocking=True)
-            elif index is None:
-                part = part.clone()
-            copies.append(part)
-        return _Snapshot(rows, copies, set(self._sgd_mirror()))
+        return _Snapshot(self.stack.snapshot(rows, to_host), self.optimizer.snapshot(rows, to_host))
 
     def _restore_state(self, snapshot: _Snapshot) -> None:
-        rows = snapshot.rows
-        index = None if rows is None else torch.tensor(rows, device=self.device)
-        with torch.no_grad():
-            for t, saved in zip(self._state_tensors(), snapshot.tensors):
-                if index is None:
-                    t.copy_(saved)
-                else:
-                    t.index_copy_(0, index, saved.to(t.device))
-        mirror = self._sgd_mirror()
-        if rows is None:
-            mirror.clear()
-        else:
-            mirror.difference_update(rows)
-        mirror.update(snapshot.without_buffer if rows is None else snapshot.without_buffer.intersection(rows))
-        for p in self.stack.params.values():
-            p.grad = None
+        self.stack.restore(snapshot.stack)
+        self.optimizer.restore(snapshot.optimizer)
 
-    def _sgd_mirror(self) -> set[int]:
-        # StackedOptimizer's host-side copy of "no momentum buffer yet" (it
-        # spares a GPU sync per step); rows put back must be put back there too.
-        return self.optimizer._without_buffer
+
+def _eval_stats(loss_fn: Callable, classification: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A member's evaluation sums on one batch: its summed loss (and, for
+    classification, its count of correct predictions)."""
+    def stats(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss_sum = loss_fn(output, target).float().sum()
+        if not classification:
+            return loss_sum.reshape(1)
+        return torch.stack([loss_sum, losses.accuracy_count(output, target).to(loss_sum.dtype)])
+    return stats

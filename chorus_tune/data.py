@@ -43,6 +43,14 @@ class BatchOrder:
             self.pos += self.batch_size
         return torch.stack(rows)
 
+    def peek(self) -> torch.Tensor:
+        """The next batch of indices, shape ``(batch_size,)``, without moving past it."""
+        state = self.state_dict()
+        try:
+            return self.take(1)[0]
+        finally:
+            self.load_state_dict(state)
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "generator": self.generator.get_state(),

@@ -33,10 +33,12 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
+from .rows import RowCopies, copy_rows, put_rows
 from .schedules import SCHEDULES, schedule_from_config, scheduled_lr
 
 __all__ = [
-    "FAMILIES", "HYPERPARAMETER_DEFAULTS", "OPTIMIZERS", "SCHEDULES", "OptimizerFamily", "StackedOptimizer",
+    "FAMILIES", "HYPERPARAMETER_DEFAULTS", "OPTIMIZERS", "SCHEDULES", "OptimizerFamily", "OptimizerSnapshot",
+    "StackedOptimizer",
     "build_torch_optimizer", "hyperparameters", "optimizer_family", "scheduled_lr", "stacked_adam",
     "stacked_adamw", "stacked_sgd",
 ]
@@ -338,6 +340,15 @@ def build_torch_optimizer(family: str, params, hp: dict[str, Any]) -> torch.opti
 
 # ----- slots and state -----------------------------------------------------------------------------
 
+@dataclass
+class OptimizerSnapshot:
+    """What :meth:`StackedOptimizer.snapshot` saved: the rows of every state
+    tensor, and which of those rows had no momentum buffer yet."""
+
+    rows: RowCopies
+    without_buffer: set[int]
+
+
 class StackedOptimizer:
     """One optimizer family over stacked ``(capacity, ...)`` parameters.
 
@@ -408,14 +419,22 @@ class StackedOptimizer:
             out.extend(per_param.values())
         return out
 
-    def snapshot(self) -> tuple[list[Tensor], set[int]]:
-        return [t.clone() for t in self.tensors()], set(self._without_buffer)
+    def snapshot(self, rows: list[int] | None = None, to_host: bool = False) -> OptimizerSnapshot:
+        """Copies of every member's optimizer state (of ``rows`` only, if
+        given), for :meth:`restore`. ``to_host``: see :func:`chorus_tune.rows.copy_rows`."""
+        without = set(self._without_buffer)
+        return OptimizerSnapshot(copy_rows(self.tensors(), rows, to_host),
+                                 without if rows is None else without.intersection(rows))
 
-    def restore(self, snapshot: tuple[list[Tensor], set[int]]) -> None:
-        saved, without_buffer = snapshot
-        for t, value in zip(self.tensors(), saved):
-            t.copy_(value)
-        self._without_buffer = set(without_buffer)
+    def restore(self, snapshot: OptimizerSnapshot) -> None:
+        """Put back what :meth:`snapshot` copied (only its rows; the others keep their state)."""
+        put_rows(self.tensors(), snapshot.rows)
+        # The host-side mirror of "no momentum buffer yet" must follow the rows put back.
+        if snapshot.rows.rows is None:
+            self._without_buffer = set(snapshot.without_buffer)
+        else:
+            self._without_buffer.difference_update(snapshot.rows.rows)
+            self._without_buffer.update(snapshot.without_buffer)
         self._hyperparameters_changed()  # they were restored too
 
     def select(self, rows: list[int], params: dict[str, Tensor]) -> None:

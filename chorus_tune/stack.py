@@ -1,26 +1,41 @@
-"""K modules of one structure as stacked tensors, and the two routes through them.
+"""K modules of one structure as stacked tensors, and the routes through them.
 
 ``MemberStack`` holds every parameter and buffer of ``capacity`` members as one
 ``(capacity, ...)`` tensor each. The *vmap* route runs them all in one call
-(``torch.func.functional_call`` under ``torch.vmap``); the *eager* route runs
-each member's own module in a loop over views of the same storage. Both write
+(``torch.func.functional_call`` under ``torch.vmap``), the *compiled* route
+runs that call under ``torch.compile``, and the *eager* route runs each
+member's own module in a loop over views of the same storage. All write
 BatchNorm running statistics in place into the stacked buffers.
 """
 from __future__ import annotations
 
 import copy
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 import torch
 from torch import nn
 from torch.func import functional_call
 
+from .compiling import CompiledCalls
 from .losses import LossFn
+from .rows import RowCopies, copy_rows, put_rows
 
 Tensors = dict[str, torch.Tensor]
 
 
-def structural_key(task, config: dict) -> tuple:
+class StructuralKey(NamedTuple):
+    """Who may share a bucket (docs/design.md D9): members whose keys are equal."""
+
+    model_class: str  # "module.QualifiedName" of the model
+    parameters: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) of each parameter
+    buffers: tuple[tuple[str, tuple[int, ...], str], ...]  # (name, shape, dtype) of each buffer
+    batch_size: int
+    optimizer: str  # the optimizer family's name
+    loss: str
+    data: str  # "static", or the data callable's qualified name
+
+
+def structural_key(task, config: dict) -> StructuralKey:
     """Who may share a bucket (docs/design.md D9): same class, parameter and buffer
     names/shapes/dtypes, batch size, optimizer family, loss and data.
 
@@ -37,19 +52,19 @@ def structural_key(task, config: dict) -> tuple:
     return module_key(task, config, module)
 
 
-def module_key(task, config: dict, module: nn.Module) -> tuple:
+def module_key(task, config: dict, module: nn.Module) -> StructuralKey:
     """The structural key of ``config``, read off a model already built from it."""
     cls = type(module)
     loss = task.loss if isinstance(task.loss, str) else f"{task.loss.__module__}.{task.loss.__qualname__}"
     data = "static" if not callable(task.data) else f"{task.data.__module__}.{getattr(task.data, '__qualname__', '')}"
-    return (
-        f"{cls.__module__}.{cls.__qualname__}",
-        tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()),
-        tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()),
-        task.batch_size_for(config),
-        task.optimizer_for(config),
-        loss,
-        data,
+    return StructuralKey(
+        model_class=f"{cls.__module__}.{cls.__qualname__}",
+        parameters=tuple((n, tuple(p.shape), str(p.dtype)) for n, p in module.named_parameters()),
+        buffers=tuple((n, tuple(b.shape), str(b.dtype)) for n, b in module.named_buffers()),
+        batch_size=task.batch_size_for(config),
+        optimizer=task.optimizer_for(config),
+        loss=loss,
+        data=data,
     )
 
 
@@ -64,9 +79,16 @@ def _dropout_modules(module: nn.Module) -> list[nn.Module]:
 class MemberStack:
     """Stacked parameters and buffers of up to ``capacity`` members, plus each
     member's module skeleton (on the ``meta`` device: no second copy of weights).
+
+    :meth:`call` runs a function of each member's output through one of the
+    routes: ``"vmap"`` (one vmap'd call through the template skeleton),
+    ``"compiled"`` (the same call under ``torch.compile``) or ``"eager"``
+    (each member through its own skeleton, in a loop). Whether the routes
+    agree for a given model is the route probe's question (docs/design.md D8).
     """
 
-    def __init__(self, template: nn.Module, capacity: int, device: torch.device):
+    def __init__(self, template: nn.Module, capacity: int, device: torch.device,
+                 compiled: CompiledCalls | None = None):
         params, buffers = module_tensors(template)
         self.capacity, self.device = capacity, device
         self.params: Tensors = {
@@ -77,6 +99,12 @@ class MemberStack:
             n: torch.zeros((capacity, *b.shape), dtype=b.dtype, device=device) for n, b in buffers.items()
         }
         self.skeletons: list[nn.Module | None] = [None] * capacity
+        # The vmap routes run every member through this one skeleton. One fixed
+        # module (not the first live member's) so that a compiled call's guards
+        # on it hold across membership changes; a member whose own skeleton
+        # behaves differently is what the route probe catches.
+        self.template = copy.deepcopy(template).to("meta")
+        self.compiled = compiled if compiled is not None else CompiledCalls()
 
     # ----- members in and out -------------------------------------------------------------------
     def put(self, slot: int, module: nn.Module) -> None:
@@ -115,9 +143,22 @@ class MemberStack:
     def state_tensors(self) -> list[torch.Tensor]:
         return [*self.params.values(), *self.buffers.values()]
 
+    def snapshot(self, rows: list[int] | None = None, to_host: bool = False) -> RowCopies:
+        """Copies of every parameter and buffer (of ``rows`` only, if given), for
+        :meth:`restore`. ``to_host``: see :func:`chorus_tune.rows.copy_rows`."""
+        return copy_rows(self.state_tensors(), rows, to_host)
+
+    def restore(self, snapshot: RowCopies) -> None:
+        """Put back what :meth:`snapshot` copied; gradients are dropped (they
+        belonged to the step being undone)."""
+        put_rows(self.state_tensors(), snapshot)
+        for p in self.params.values():
+            p.grad = None
+
     # ----- modes --------------------------------------------------------------------------------
     def _live_skeletons(self) -> Iterable[nn.Module]:
-        return (s for s in self.skeletons if s is not None)
+        yield self.template
+        yield from (s for s in self.skeletons if s is not None)
 
     def set_training(self, training: bool) -> None:
         for skeleton in self._live_skeletons():
@@ -130,18 +171,52 @@ class MemberStack:
             m.eval()
         return switched
 
-    # ----- the two routes -----------------------------------------------------------------------
-    def vmap_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool, template: int) -> torch.Tensor:
-        """``fn(output, target)`` for every slot at once, through ``template``'s skeleton."""
-        skeleton = self.skeletons[template]
+    # ----- the routes ---------------------------------------------------------------------------
+    def call(self, route: str, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool,
+             slots: list[int], gather: bool = False) -> torch.Tensor:
+        """``fn(output, target)`` of ``slots`` as a ``(capacity, ...)`` tensor.
+
+        ``x``/``y`` are one batch for every member (``shared``) or one per row.
+        The eager route computes ``slots`` only (zeros elsewhere). A vmap route
+        computes every row of the stack unless ``gather``: then only ``slots``'
+        rows, gathered (``x``/``y`` then hold those rows only, unless
+        ``shared``), so a group needs memory for itself, not for the stack.
+        """
+        if route == "eager":
+            return self.eager_call(fn, x, y, shared, slots)
+        if route not in ("vmap", "compiled"):
+            raise ValueError(f"route must be 'vmap', 'compiled' or 'eager'; got {route!r}")
+        return self.vmap_call(fn, x, y, shared, slots if gather else None, compiled=route == "compiled")
+
+    def vmap_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool,
+                  rows: list[int] | None = None, compiled: bool = False) -> torch.Tensor:
+        """``fn(output, target)`` of every row at once (or of ``rows`` only,
+        zeros elsewhere), through the template skeleton."""
+        if rows is None:
+            params, buffers = self.params, self.buffers
+        else:
+            index = torch.tensor(rows, device=self.device)
+            params = {n: p.index_select(0, index) for n, p in self.params.items()}  # gradients flow back
+            buffers = {n: b.index_select(0, index) for n, b in self.buffers.items()}
+        if compiled:
+            out = self.compiled.call(self._vmapped, fn, shared, params, buffers, x, y)
+        else:
+            out = self._vmapped(fn, shared)(params, buffers, x, y)
+        if rows is None:
+            return out
+        with torch.no_grad():  # train-mode BatchNorm updated the gathered copies
+            for n, b in buffers.items():
+                self.buffers[n].index_copy_(0, index, b)
+        return out.new_zeros((self.capacity, *out.shape[1:])).index_copy(0, index, out)
+
+    def _vmapped(self, fn: Callable, shared: bool) -> Callable:
+        skeleton = self.template
 
         def member(params: Tensors, buffers: Tensors, xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
             return fn(functional_call(skeleton, (params, buffers), (xb,)), yb)
 
         data_dim = None if shared else 0
-        return torch.vmap(member, in_dims=(0, 0, data_dim, data_dim), randomness="different")(
-            self.params, self.buffers, x, y
-        )
+        return torch.vmap(member, in_dims=(0, 0, data_dim, data_dim), randomness="different")
 
     def eager_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool, slots: list[int]) -> torch.Tensor:
         """``fn(output, target)`` per slot, each through its own module; rows of

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import TYPE_CHECKING, Any, Callable, Union
 
 import numpy as np
 import torch
@@ -10,7 +10,11 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from .losses import LossFn, resolve_loss
+from .precision import check_precision
 from .optim import OPTIMIZERS  # noqa: F401  (the families' names, from optim.FAMILIES; imported from here too)
+
+if TYPE_CHECKING:  # stack.py imports this module
+    from .stack import StructuralKey
 
 Split = Union[tuple, TensorDataset, Dataset]
 ModelFactory = Callable[[dict], nn.Module]
@@ -64,6 +68,13 @@ class Task:
     with keys of those names. ``iteration_steps=None`` makes one iteration one
     epoch (``len(train) // batch_size`` steps: the partial last batch is
     dropped so that every member's batch has the same shape).
+
+    ``precision`` is ``"fp32"`` or ``"bf16"`` (the forward pass and loss under
+    bfloat16 autocast, in the fused step, in evaluation and in the reference;
+    parameters, optimizer state and BatchNorm statistics stay float32).
+    ``compile=True`` lets a bucket's route probe try ``torch.compile`` of the
+    fused step, checked against the per-member loop like any route
+    (docs/design.md D8).
     """
 
     model: ModelFactory
@@ -74,6 +85,8 @@ class Task:
     iteration_steps: int | None = None
     eval_batch_size: int = 1024
     data_seed: int = 0
+    precision: str = "fp32"
+    compile: bool = False
     _loaded: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -84,6 +97,9 @@ class Task:
         if self.iteration_steps is not None and self.iteration_steps < 1:
             raise ValueError(f"iteration_steps must be positive or None; got {self.iteration_steps}")
         resolve_loss(self.loss)  # fail at construction on an unknown loss name
+        check_precision(self.precision)
+        if not isinstance(self.compile, bool):
+            raise TypeError(f"compile must be True or False; got {self.compile!r}")
 
     def __getstate__(self) -> dict:
         # Loaded data is a cache: it travels once through the object store as the
@@ -140,7 +156,7 @@ class Task:
             raise TypeError(f"Task.model must return an nn.Module; got {type(module).__name__}")
         return module
 
-    def structural_key(self, config: dict) -> tuple:
+    def structural_key(self, config: dict) -> StructuralKey:
         from .stack import structural_key
 
         return structural_key(self, config)

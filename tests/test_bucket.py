@@ -9,6 +9,7 @@ from torch import nn
 
 import chorus_tune as ct
 from chorus_tune import reference
+from chorus_tune.route import RouteReason
 
 from models import MaybeResidual, PairDataset, SmallCNN, cnn, digits, mlp, mlp_task, params_close, regression_task
 
@@ -78,7 +79,7 @@ def test_member_state_moved_to_another_bucket_continues_as_if_it_never_moved():
     state = staying.member_state(1)
     target = ct.Bucket(task, 3)
     target.add(dict(lr=5e-3, seed=9))
-    moved_slot = target.add(None, state=state)
+    moved_slot = target.restore(state)
     assert target.iteration(moved_slot) == 1
     for _ in range(2):
         expected = staying.run_iteration()[1]
@@ -154,7 +155,7 @@ def test_per_instance_behaviour_is_caught_and_runs_eager_correctly():
     for _ in range(2):
         for s, m in bucket.run_iteration().items():
             histories[s].append(m)
-    assert bucket.route == "eager" and "disagreed" in bucket.route_reason
+    assert bucket.route == "eager" and bucket.route_reason is RouteReason.DISAGREES
     assert histories[slots[0]][0]["route"] == "eager"
     for slot, config in zip(slots, configs):
         assert_follows_reference(task, bucket, slot, config, histories[slot])

@@ -101,7 +101,7 @@ def test_a_save_after_result_t_holds_the_member_at_t_though_the_bucket_is_ahead(
     from chorus_tune import Bucket
 
     resumed = Bucket(digits_task(), 1)
-    slot = resumed.add(None, state=state)
+    slot = resumed.restore(state)
     out = resumed.run_iteration()[slot]
     assert out["iteration"] == 3
     assert out["val_loss"] == pytest.approx(reference_history("a", 3)[-1]["val_loss"], rel=RTOL)

@@ -64,8 +64,8 @@ def test_wrong_values_are_named(real_state, change, message):
         check_member_state({**real_state, **change})
 
 
-def test_bucket_add_names_the_missing_keys():
+def test_bucket_restore_names_the_missing_keys():
     bucket = ct.Bucket(task(), capacity=2, route="eager")
     with pytest.raises(ValueError, match="missing key\\(s\\) 'config', 'seed', 'optimizer'"):
-        bucket.add(None, state={"model": mlp({}).state_dict()})
+        bucket.restore({"model": mlp({}).state_dict()})
     assert bucket.live_slots == []

@@ -23,6 +23,7 @@ import chorus_tune.bucket as bucket_module
 from chorus_tune import reference
 from chorus_tune.bucket import MemberOutOfMemory
 from chorus_tune.capacity import is_out_of_memory
+from chorus_tune.route import RouteReason
 from chorus_tune.stack import MemberStack
 
 from models import PairDataset, SmallCNN, digits, mlp, params_close
@@ -291,7 +292,7 @@ def test_a_route_probe_that_runs_out_of_memory_halves_instead_of_choosing_eager(
     slots = [bucket.add(c) for c in configs]
     device.room = 2
     histories = train(bucket, 1)
-    assert bucket.route_reason == "faster" and bucket.max_group == 2
+    assert bucket.route_reason is RouteReason.FASTER and bucket.max_group == 2
     assert bucket.oom_recoveries == 1  # the probe found the size; training never ran out
     for slot, config in zip(slots, configs):
         assert_follows_reference(task, bucket, slot, config, histories[slot])
@@ -306,7 +307,7 @@ def test_a_probe_that_runs_out_even_alone_falls_back_to_eager(device):
     with pytest.raises(MemberOutOfMemory) as info:
         bucket.run_iteration()
     assert info.value.slots == (big,) and bucket.route == "eager"
-    assert "ran out of memory" in bucket.route_reason
+    assert bucket.route_reason is RouteReason.PROBE_OUT_OF_MEMORY
 
 
 def test_the_failed_steps_tensors_are_unpinned_before_memory_is_released(device, monkeypatch):

@@ -201,7 +201,10 @@ class ChorusBucket:
                 record = self.book.get(member)
                 if record is None or record.phase is not Phase.RESERVED:
                     return  # it left while waiting for the lock
-                slot = await self._in_thread(self.core.add, dict(join.config), join.seed, state)
+                if state is None:
+                    slot = await self._in_thread(self.core.add, dict(join.config), join.seed)
+                else:
+                    slot = await self._in_thread(self.core.restore, state, dict(join.config))
                 if record.phase is not Phase.RESERVED:
                     # Its trial left while the model was built (a member with no
                     # slot leaves without the lock): no slot may outlive it.

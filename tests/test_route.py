@@ -1,0 +1,82 @@
+"""Choosing the route (docs/design.md D8): per-member verdicts, reasons, the report."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import chorus_tune as ct
+from chorus_tune import reference
+from chorus_tune.route import ProbeResult, RouteChoice, RouteReason, judge
+
+from models import cnn, digits, mlp_task, params_close
+
+IMAGES = digits(images=True)
+CNN_RTOL = 1e-4  # test_fidelity.py: convolutions and BatchNorm, documented there
+
+
+def probe(losses, *state):
+    return ProbeResult(torch.tensor(losses), [torch.tensor(t) for t in state])
+
+
+def test_judge_compares_only_members_finite_on_both_routes():
+    nan, inf = float("nan"), float("inf")
+    members = [3, 5, 6, 9]
+    eager = probe([1.0, nan, 1.0, 1.0], [[1.0, 2.0], [nan, 1.0], [1.0, 1.0], [4.0, 4.0]], [1, 2, 3, 4])
+    other = probe([1.0, nan, 1.0, 1.0], [[1.0, 2.0], [nan, 1.0], [inf, 1.0], [4.0, 5.0]], [1, 2, 3, 4])
+    verdict = judge(members, eager, other, rtol=1e-3, atol=1e-5)
+    # 5 is non-finite on both, 6 on one route only: their own problem, left out.
+    assert verdict.nonfinite == [5, 6]
+    assert verdict.compared == [3, 9]
+    assert verdict.disagreeing == [9] and not verdict.agrees
+
+
+def test_judge_holds_integer_state_to_equality():
+    eager = probe([1.0, 1.0], [[1.0], [1.0]], [3, 3])
+    other = probe([1.0, 1.0], [[1.0], [1.0]], [3, 4])
+    assert judge([0, 1], eager, other, rtol=1e-3, atol=1e-5).disagreeing == [1]
+
+
+def test_every_reason_says_itself_in_words_and_an_unknown_route_is_refused():
+    assert all(reason.description for reason in RouteReason)
+    assert RouteChoice("vmap").reason is RouteReason.REQUESTED
+    with pytest.raises(ValueError, match="route must be one of"):
+        ct.Bucket(mlp_task(), 2, route="fast")
+
+
+def test_a_member_that_diverges_never_demotes_its_bucket_mates():
+    # SGD at lr=1e3 sends a CNN member's weights to ~1e28 within an iteration.
+    # When a newcomer makes the bucket probe again, that member's probe step
+    # overflows on one route and not on the other; judged with the others, it
+    # made the whole bucket fall back to the eager loop.
+    task = ct.Task(cnn, IMAGES, optimizer="sgd", batch_size=32, iteration_steps=5)
+    bucket = ct.Bucket(task, 4)
+    healthy = {bucket.add(c): c for c in (dict(lr=0.01, seed=0), dict(lr=0.02, seed=1))}
+    wild = bucket.add(dict(lr=1e3, seed=2))
+    first = bucket.run_iteration()
+    late = dict(lr=0.01, seed=5)
+    healthy[bucket.add(late)] = late
+    second = bucket.run_iteration()
+    report = bucket.route_report()
+    assert bucket.route_reason is RouteReason.FASTER and report["rejected"] == {}
+    assert report["nonfinite_members"] == [wild]
+    assert report["reason"] == "faster" and set(report["seconds"]) == {"eager", "vmap"}
+    for slot, config in healthy.items():
+        history = [first[slot], second[slot]] if slot in first else [second[slot]]
+        expected, model = reference.train(task, config, iterations=len(history))
+        assert all(math.isclose(a["val_loss"], b["val_loss"], rel_tol=CNN_RTOL) for a, b in zip(history, expected))
+        params_close(bucket.export_model(slot), model, CNN_RTOL)
+
+
+def test_the_probe_gives_each_member_its_own_batch_when_training_does():
+    bucket = ct.Bucket(mlp_task(iteration_steps=2), 3)
+    slots = [bucket.add(dict(lr=0.05, seed=s)) for s in (1, 2, 3)]
+    orders = [bucket.members[k].order.state_dict() for k in slots]
+    x, y, shared = bucket._probe_batch(slots, gather=False)
+    assert not shared and x.shape[0] == 3
+    assert not torch.equal(x[0], x[1]) and not torch.equal(x[1], x[2])
+    # Each member's next training batch, and the probe took nothing from its order.
+    for k, order in zip(slots, orders):
+        assert bucket.members[k].order.pos == order["pos"]
+        assert torch.equal(x[k], bucket._train.tensors[0][bucket.members[k].order.take(1)[0]])
