@@ -9,6 +9,8 @@ interleaving happens every time, and compare every result with
 from __future__ import annotations
 
 import asyncio
+import logging
+import re
 import threading
 
 import pytest
@@ -279,6 +281,66 @@ def test_a_second_request_before_the_first_is_answered_fails_the_first_rather_th
     assert asyncio.run(scenario())["iteration"] == 1
 
 
-def test_repr_holds_only_what_never_changes():
-    bucket = make_bucket(3)
-    assert repr(bucket) == "ChorusBucket(Sequential, 3 slots, cpu)"
+def test_the_repr_ray_captures_at_creation_stays_true_while_the_bucket_trains_and_shrinks():
+    async def scenario():
+        bucket = make_bucket(4)
+        captured = repr(bucket)  # what Ray shows in the dashboard, for the actor's whole life
+        await seat(bucket, "ab", Plan(run_ahead=1))
+        await asyncio.gather(bucket.next_result("a"), bucket.next_result("b"))
+        assert await bucket.compact() == 2
+        return captured, bucket
+
+    captured, bucket = asyncio.run(scenario())
+    assert captured == "ChorusBucket(Sequential, bucket_size=4, cpu)"
+    assert repr(bucket) == captured
+
+
+STATUS = re.compile(r"test-bucket: iteration (\d+), live (\d+)/(\d+), trained (\d+), route (\w+), [\d.]+ s, "
+                    r"step ([\d.]+) ms, (\d+) samples/s, wasted (\d+)$")
+
+
+def test_each_iteration_writes_one_status_line_saying_what_its_results_say(caplog):
+    caplog.set_level(logging.INFO, logger="chorus_tune.tune.bucket_actor")
+
+    async def scenario():
+        bucket = make_bucket(3)
+        await seat(bucket, "ab", Plan(budget=2, bucket_decides=True))
+        return [await bucket.next_result("a") for _ in range(2)]
+
+    results = asyncio.run(scenario())
+    lines = [m.group(1, 2, 3, 4, 5, 8) for m in (STATUS.search(r.getMessage()) for r in caplog.records) if m]
+    assert lines == [(str(r[rk.BUCKET_ITERATION]), "2", "3", str(r[rk.LIVE]), r[rk.ROUTE], "0") for r in results]
+
+
+def test_a_status_line_counts_every_trained_member_s_batches_the_last_iteration_included(caplog):
+    caplog.set_level(logging.INFO, logger="chorus_tune.tune.bucket_actor")
+
+    async def scenario():
+        bucket = make_bucket(2)
+        # The members finish (and free their slots) in the iteration of their budget.
+        await seat(bucket, "ab", Plan(budget=2, bucket_decides=True))
+        await until(lambda: bucket.iterations == 2)
+
+    asyncio.run(scenario())
+    lines = [m for m in (STATUS.search(r.getMessage()) for r in caplog.records) if m]
+    assert len(lines) == 2
+    batch = digits_task().batch_size
+    for line in lines:
+        step_s = float(line.group(6)) / 1000
+        # As printed: step time to 0.01 ms, samples/s to 1.
+        assert float(line.group(7)) == pytest.approx(int(line.group(4)) * batch / step_s, rel=0.02, abs=1)
+
+
+def test_a_member_that_leaves_with_unread_results_is_logged_as_wasted(caplog):
+    caplog.set_level(logging.INFO, logger="chorus_tune.tune.bucket_actor")
+
+    async def scenario():
+        bucket = make_bucket(1)
+        await seat(bucket, "a", Plan(run_ahead=2))
+        await until(lambda: bucket.book.get("a").produced == 2)
+        await bucket.leave("a")
+        return bucket
+
+    bucket = asyncio.run(scenario())
+    assert bucket.book.wasted == 2
+    assert "test-bucket: member a left with 2 result(s) unread, wasted 2" in caplog.messages

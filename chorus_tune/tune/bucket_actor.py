@@ -399,7 +399,8 @@ class ChorusBucket:
                 return
             self.book.started(chosen)
             members = {r.slot: r.member for r in chosen}
-            in_slots, capacity = self.live, self.core.capacity  # as this iteration found them
+            # As this iteration found them: finishing members free their slots before the report.
+            in_slots, capacity, batch = self.live, self.core.capacity, self._batch_size()
             start = time.perf_counter()
             try:
                 out, states = await self._in_thread(self._train, sorted(members))
@@ -429,7 +430,7 @@ class ChorusBucket:
             self._resolve(member)
         for member in finished:
             self._notify_pool(member, "finished")
-        self._report(len(out), in_slots, capacity, seconds)
+        self._report(len(out), in_slots, capacity, batch, seconds)
 
     def _train(self, slots: list[int]) -> tuple[dict[int, dict], dict[int, dict]]:
         out = self.core.run_iteration(slots)
@@ -451,10 +452,10 @@ class ChorusBucket:
                 rk.ROUTE: metrics.get("route", self.core.route), rk.LIVE: live,
                 rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions}
 
-    def _report(self, trained: int, in_slots: int, capacity: int, seconds: float) -> None:
+    def _report(self, trained: int, in_slots: int, capacity: int, batch: int, seconds: float) -> None:
         steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
         self._steps_seen = self.core.fused_steps
-        samples = steps * self._batch_size() * trained
+        samples = steps * batch * trained
         self.metrics.iteration(steps, samples, seconds, self.core.route)
         self.metrics.members(self.live, self.core.capacity)
         self.metrics.wasted(self.book.wasted)

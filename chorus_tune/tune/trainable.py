@@ -21,6 +21,7 @@ from ray.tune import Trainable
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from . import result_keys as rk
+from .actor_log import log_to_actor_stdout
 from .options import BucketOptions, Join, member_seed
 from .pool import NEED_TASK, Reservation, get_pool, task_id
 from .resources import FALLBACK_TOKEN_CPU, default_bucket_resources, trial_token_cpu
@@ -51,6 +52,11 @@ class ChorusTrainable(Trainable):
     Every result carries the member's metrics (``train_loss``, ``val_loss``,
     ``val_accuracy``, ``iteration``) and the ``chorus/*`` fields of
     :mod:`chorus_tune.tune.result_keys`.
+
+    In Ray's dashboard a trial actor shows as ``ChorusTrainable(started for
+    trial <trial id>)``: Tune names no actor, and Ray captures a repr once,
+    after ``setup``. With ``reuse_actors`` the actor then serves later trials
+    too; its log says which, with their member and bucket, as each starts.
     """
 
     task: Any = None
@@ -119,7 +125,16 @@ class ChorusTrainable(Trainable):
         return PlacementGroupFactory([{"CPU": token}])
 
     # ----- Trainable API --------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        # Ray shows this in the dashboard's Actors page, captured once after
+        # __init__: the trial the actor started for is the one thing that
+        # stays true when reuse_actors hands it later trials.
+        return f"{type(self).__name__}(started for trial {getattr(self, '_started_for', None)})"
+
     def setup(self, config: dict) -> None:
+        log_to_actor_stdout(logger)
+        if not hasattr(self, "_started_for"):
+            self._started_for = self.trial_id
         if self._task_blob is None:
             raise TypeError(f"{type(self).__name__} has no task: use ChorusTrainable.for_task(task) "
                             "or set a `task` class attribute")
@@ -140,6 +155,7 @@ class ChorusTrainable(Trainable):
         if self._bucket is None:
             # Waiting for a slot: wait here, where Tune expects a trial to take its time.
             self._bucket_name, self._bucket = ray.get(get_pool(create=True).await_placement.remote(self._member))
+            self._announce()
         join = None
         if not self._joined and not self._seated:
             join = Join(config=self._clean(self.config), seed=self._seed, state=self._pending_state,
@@ -225,6 +241,13 @@ class ChorusTrainable(Trainable):
         self._member, self._seed, self._plan, self._seated = reply.member, reply.seed, reply.plan, reply.seated
         self._reserved_for = (trial, reply.token)  # reset_config switches trial_id before this trial leaves
         self._bucket_name, self._bucket = reply.bucket, reply.handle
+        if self._bucket is not None:
+            self._announce()
+
+    def _announce(self) -> None:
+        # The actor's log is where the dashboard tells which trial it serves
+        # now (its repr names only the first, see __repr__).
+        logger.info("trial %s reads member %s in bucket %s", self.trial_id, self._member, self._bucket_name)
 
     def _leave(self) -> None:
         member, self._member = self._member, None
