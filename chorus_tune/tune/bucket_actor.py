@@ -449,7 +449,8 @@ class ChorusBucket:
     def _result(self, member: str, slot: int, metrics: dict, live: int) -> dict[str, Any]:
         return {**_member_metrics(metrics), rk.MEMBER: member, rk.BUCKET: self.name, rk.SLOT: slot,
                 rk.BUCKET_ITERATION: self.iterations,
-                rk.ROUTE: metrics.get("route", self.core.route), rk.LIVE: live,
+                rk.ROUTE: metrics.get("route", self.core.route), rk.ROUTE_REASON: self.core.route_reason.value,
+                rk.LIVE: live,
                 rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions}
 
     def _report(self, trained: int, in_slots: int, capacity: int, batch: int, seconds: float) -> None:

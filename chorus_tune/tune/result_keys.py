@@ -9,7 +9,7 @@ MEMBER = "chorus/member"  # the member this trial reads (its trial id, or Chorus
 BUCKET = "chorus/bucket"  # the bucket actor's name
 SLOT = "chorus/slot"  # the member's slot when this result was computed
 BUCKET_ITERATION = "chorus/bucket_iteration"  # the bucket's fused iteration that computed this result
-ROUTE = "chorus/route"  # "vmap" or "eager": how the fused step ran
+ROUTE = "chorus/route"  # "vmap", "compiled" or "eager": how the fused step ran
 LIVE = "chorus/live"  # members trained in the fused iteration that computed this result
 CAPACITY = "chorus/capacity"  # the bucket's slots then (less after compaction)
 SEED = "chorus/seed"  # the member's seed: reference.train(task, config, seed) replays it
@@ -20,10 +20,11 @@ DECISION = "chorus/decision"  # at a rung: "CONTINUE"/"STOP" decided for the coh
 COHORT_SIZE = "chorus/cohort_size"  # at a rung: members of the bucket that reached it together
 COHORT_RANK = "chorus/cohort_rank"  # at a rung: this member's rank in its cohort (1 = best)
 RETIRED = "chorus/retired"  # the member trains no more and this trial asked beyond its last result
+ROUTE_REASON = "chorus/route_reason"  # why the bucket runs its route: a chorus_tune.route.RouteReason value
 
 HELD = "HELD"
 
 ITERATION = "iteration"  # the member's own iteration count (training_iteration once resumed)
 
 ALL = (MEMBER, BUCKET, SLOT, BUCKET_ITERATION, ROUTE, LIVE, CAPACITY, SEED, COMPACTIONS, AHEAD, WASTED, DECISION,
-       COHORT_SIZE, COHORT_RANK, RETIRED)
+       COHORT_SIZE, COHORT_RANK, RETIRED, ROUTE_REASON)

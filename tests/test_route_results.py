@@ -1,0 +1,26 @@
+"""Every result says why its bucket runs the route it runs (``chorus/route_reason``)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from chorus_tune.route import RouteReason
+from chorus_tune.tune import result_keys as rk
+from chorus_tune.tune.members import Plan
+from test_bucket_actor import make_bucket, seat
+from tune_support import local_ray  # noqa: F401  (module-scoped Ray: the bucket's metrics need one)
+
+
+@pytest.mark.parametrize("route, reason", [("auto", RouteReason.FASTER), ("eager", RouteReason.REQUESTED)])
+def test_every_result_carries_the_route_reason(route, reason):
+    async def scenario():
+        bucket = make_bucket(2, route=route)
+        await seat(bucket, "ab", Plan(budget=2, bucket_decides=True))
+        results = [await bucket.next_result(m) for m in "abab"]
+        return results, bucket.core.route_report()
+
+    results, report = asyncio.run(scenario())
+    assert report["reason"] == reason.value
+    for result in results:
+        assert result[rk.ROUTE_REASON] == reason.value and result[rk.ROUTE] == report["route"]
