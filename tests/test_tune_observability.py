@@ -1,37 +1,32 @@
-"""Buckets are visible: named actors in the state API, metrics on Ray's metrics endpoint (docs/design.md D12)."""
+"""Buckets are visible: named actors in the state API, status lines in their logs, metrics on Ray's
+metrics endpoint (docs/design.md D12). tests/test_dashboard_browser.py looks at the same in a browser."""
 from __future__ import annotations
 
-import socket
+import re
 import time
 import urllib.request
 
 import pytest
 import ray
 from ray import tune
-from ray.util.state import list_actors
+from ray.util.state import get_log, list_actors
 
 from chorus_tune.tune import ChorusTrainable
-from tune_support import digits_task, run_config, start_ray
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dashboard_support import free_port, ray_head
+from tune_support import digits_task, run_config
 
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
-    port = _free_port()
-    context = start_ray(num_cpus=2, include_dashboard=True, _metrics_export_port=port,
-                        _system_config={"metrics_report_interval_ms": 1000})
-    # idle_close_s keeps the bucket alive after the sweep, to be inspected.
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, idle_close_s=120.0)
-    results = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.1])},
-                         tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
-                         run_config=run_config(tmp_path_factory.mktemp("obs"), 3)).fit()
-    yield port, results, f"http://{context.dashboard_url}"
-    ray.shutdown()
+    port = free_port()
+    with ray_head(num_cpus=2, metrics_export_port=port, system_config={"metrics_report_interval_ms": 1000}) \
+            as (dashboard, _):
+        # idle_close_s keeps the bucket alive after the sweep, to be inspected.
+        trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, idle_close_s=120.0)
+        results = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.1])},
+                             tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+                             run_config=run_config(tmp_path_factory.mktemp("obs"), 3)).fit()
+        yield port, results, dashboard
 
 
 def test_buckets_are_named_actors_whose_repr_holds_only_what_never_changes(sweep):
@@ -41,19 +36,34 @@ def test_buckets_are_named_actors_whose_repr_holds_only_what_never_changes(sweep
     ours = [a for a in actors if a.name == bucket]
     assert len(ours) == 1 and ours[0].state == "ALIVE"
     # Ray captures a repr once, at creation: live state would go stale there.
-    assert ours[0].repr_name == "ChorusBucket(Sequential, 4 slots, cpu)"
+    assert ours[0].repr_name == "ChorusBucket(Sequential, bucket_size=4, cpu)"
 
 
-def test_trial_actors_show_as_chorus_trainable(sweep):
-    actors = list_actors(address=sweep[2], filters=[("class_name", "=", "ChorusTrainable")], detail=False)
-    assert len(actors) >= 2
+def test_trial_actors_show_as_chorus_trainable_naming_the_trial_each_started_for(sweep):
+    _, results, dashboard = sweep
+    actors = list_actors(address=dashboard, filters=[("class_name", "=", "ChorusTrainable")], detail=True)
+    # No reuse_actors here: one actor per trial.
+    assert sorted(a.repr_name for a in actors) == sorted(f"ChorusTrainable(started for trial {r.metrics['trial_id']})"
+                                                         for r in results)
+
+
+def test_the_bucket_log_has_a_status_line_per_iteration(sweep):
+    _, results, dashboard = sweep
+    bucket = results[0].metrics["chorus/bucket"]
+    actor = list_actors(address=dashboard, filters=[("name", "=", bucket)])[0]
+    text = "".join(get_log(address=ray.get_runtime_context().gcs_address, actor_id=actor.actor_id, suffix="out",
+                          tail=-1))
+    status = re.compile(rf"{re.escape(bucket)}: iteration (\d+), live \d+/\d+, trained \d+, route \w+, ")
+    iterations = [int(m.group(1)) for m in map(status.search, text.splitlines()) if m]
+    last = max(int(v) for r in results for v in r.metrics_dataframe["chorus/bucket_iteration"])
+    assert iterations[:last] == list(range(1, last + 1))
 
 
 def test_bucket_metrics_reach_the_metrics_endpoint(sweep):
     port, results, _ = sweep
     bucket = results[0].metrics["chorus/bucket"]
     wanted = ["ray_chorus_live_members", "ray_chorus_fused_steps", "ray_chorus_samples_per_second",
-              "ray_chorus_step_time_seconds", "ray_chorus_route"]
+              "ray_chorus_step_time_seconds", "ray_chorus_route", "ray_chorus_wasted_iterations"]
     deadline, text = time.monotonic() + 60, ""
     while time.monotonic() < deadline:
         try:
