@@ -1,5 +1,22 @@
-"""When a bucket should shrink to its live members (Ray-free; the pool applies it)."""
+"""Who shares a bucket, and when a bucket should shrink (Ray-free; the pool applies both)."""
 from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+
+class GroupKey(NamedTuple):
+    """What the pool groups members by: a bucket holds members of one group.
+
+    ``structural_key`` decides (docs/design.md D9; a
+    ``chorus_tune.stack.StructuralKey``, which may not be imported here: this
+    module stays torch-free); ``model_name`` follows from it and names the
+    group in logs and bucket names.
+    """
+
+    task_id: str
+    options: Any  # the run's BucketOptions: buckets of another run's options are not shared
+    model_name: str
+    structural_key: tuple
 
 
 def should_compact(capacity: int, live: int, waiting: int) -> bool:

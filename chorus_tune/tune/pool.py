@@ -29,7 +29,7 @@ import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
-from .grouping import should_compact
+from .grouping import GroupKey, should_compact
 from .members import Plan
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
@@ -86,7 +86,9 @@ class ChorusPool:
         self.tasks: dict[str, Any] = {}
         self.blobs: dict[str, bytes] = {}
         self.handles: dict[str, Any] = {}
-        self.key_info: dict[Hashable, tuple[str, BucketOptions, str, Hashable]] = {}
+        # Every group key seen, to itself. Read its fields by name (key.options);
+        # the map only keeps index reads of older code working.
+        self.key_info: dict[GroupKey, GroupKey] = {}
         self.clients: dict[str, Any] = {}
         self.history: dict[str, dict] = {}
         self.seats: dict[str, Join] = {}  # seated members: what they are built from
@@ -113,7 +115,7 @@ class ChorusPool:
             self.blobs[task_id_] = task_blob
         return True
 
-    def _key(self, task_id_: str, options: BucketOptions, config: dict) -> Hashable:
+    def _key(self, task_id_: str, options: BucketOptions, config: dict) -> GroupKey:
         if self.placement is None:
             self.placement = Placement(self._budget(options), prefix=f"chorus-bucket-{self.job_id}")
         else:
@@ -121,9 +123,8 @@ class ChorusPool:
             self.placement.max_buckets = self._budget(options)
         task = self.tasks[task_id_]
         skey = task.structural_key(config)  # raises the factory's own error for a bad config
-        key = (task_id_, options, skey)
-        if key not in self.key_info:
-            self.key_info[key] = (task_id_, options, self._model_name(task, config), skey)
+        key = GroupKey(task_id_, options, self._model_name(task, config), skey)
+        self.key_info.setdefault(key, key)
         return key
 
     # ----- members seated ahead of their trials (ChorusSearch) ------------------------------------
@@ -322,7 +323,7 @@ class ChorusPool:
         record = self.placement.buckets.get(name) if self.placement else None
         if record is not None and name in self.handles:
             try:
-                await self.handles[name].set_plan.remote(trial_id, self.key_info[record.key][1].plan(schedule))
+                await self.handles[name].set_plan.remote(trial_id, record.key.options.plan(schedule))
             except RayActorError:
                 pass
 
@@ -383,14 +384,14 @@ class ChorusPool:
         # Later, not now: a reset_config leaves and rejoins at once, and a
         # bucket must not shrink under the member that refills it.
         record = self.placement.buckets.get(name) if self.placement else None
-        delay = self.key_info[record.key][1].compact_after_s if record is not None else 0.0
+        delay = record.key.options.compact_after_s if record is not None else 0.0
         asyncio.get_running_loop().create_task(self._maybe_compact(name, delay))
 
     async def _maybe_compact(self, name: str, delay_s: float = 0.0) -> None:
         await asyncio.sleep(delay_s)
         record = self.placement.buckets.get(name) if self.placement else None
         handle = self.handles.get(name)
-        if record is None or handle is None or not record.key[1].compact:
+        if record is None or handle is None or not record.key.options.compact:
             return
         waiting = self.placement.waiting_for(record.key)
         if not should_compact(record.capacity, len(record.members), waiting):
@@ -420,7 +421,7 @@ class ChorusPool:
         record = self.placement.buckets.get(name)
         if record is None:
             return
-        await asyncio.sleep(self.key_info[record.key][1].idle_close_s)
+        await asyncio.sleep(record.key.options.idle_close_s)
         record = self.placement.buckets.get(name)
         if record is not None and not record.members:
             _, update = self.placement.close(name)
@@ -454,7 +455,7 @@ class ChorusPool:
         if ray.cluster_resources().get("GPU", 0) > 0:
             return
         shared = [n for n, h in self.handles.items() if n in self.placement.buckets
-                  and self.key_info[self.placement.buckets[n].key][1].resources_per_bucket is None]
+                  and self.placement.buckets[n].key.options.resources_per_bucket is None]
         if not shared:
             return
         # Per node: a bucket shares the cores of the node it runs on, not the cluster's.
@@ -530,7 +531,7 @@ class ChorusPool:
         """Free slots in open buckets whose structural key is ``structural_key``."""
         if self.placement is None:
             return 0
-        return sum(r.free for r in self.placement.buckets.values() if r.key[2] == structural_key)
+        return sum(r.free for r in self.placement.buckets.values() if r.key.structural_key == structural_key)
 
     async def stats(self) -> dict[str, dict]:
         """Every bucket this pool opened: model, bucket_size, capacity (less after
