@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -218,13 +219,20 @@ def auth_token() -> str:
                           text=True).stdout.strip()
 
 
+@dataclasses.dataclass(frozen=True)
+class RayHead:
+    """A running Ray started by :func:`ray_head`."""
+
+    dashboard: str  # the dashboard's URL
+    token: str | None  # what `ray get-auth-token` prints; None where RAY_AUTH_MODE=disabled
+    temp_dir: str  # its --temp-dir (where its session_latest is)
+
+
 @contextlib.contextmanager
 def ray_head(num_cpus: int = 2, metrics_export_port: int | None = None,
-             system_config: dict | None = None) -> Iterator[tuple[str, str | None]]:
+             system_config: dict | None = None) -> Iterator[RayHead]:
     """A Ray of the caller's own, started with ``ray start --head``, its
     dashboard and token authentication, this process connected to it.
-    Yields the dashboard's URL and the token (``None`` where
-    ``RAY_AUTH_MODE=disabled``).
 
     ``--block`` ties the cluster's processes to that one command, so stopping
     it stops only them. A temp dir of its own keeps other Rays from finding it
@@ -254,7 +262,7 @@ def ray_head(num_cpus: int = 2, metrics_export_port: int | None = None,
             raise RuntimeError(f"`ray start --head` exited with {head.wait()}:\n{''.join(said)}")
         threading.Thread(target=head.stdout.read, daemon=True).start()  # never let its pipe fill
         ray.init(address="auto", _temp_dir=temp_dir, configure_logging=False)
-        yield f"http://127.0.0.1:{dashboard_port}", token
+        yield RayHead(f"http://127.0.0.1:{dashboard_port}", token, temp_dir)
     finally:
         ray.shutdown()
         head.terminate()

@@ -47,8 +47,8 @@ SERVES = re.compile(r"trial (\S+) reads member \S+ in bucket (\S+)$", re.MULTILI
 
 @pytest.fixture(scope="module")
 def ray_with_dashboard():
-    with ray_head(num_cpus=2) as (dashboard, token):
-        yield dashboard, token
+    with ray_head(num_cpus=2) as head:
+        yield head.dashboard, head.token
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 metrics endpoint (docs/design.md D12). tests/test_dashboard_browser.py looks at the same in a browser."""
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.request
@@ -11,7 +12,7 @@ import ray
 from ray import tune
 from ray.util.state import get_log, list_actors
 
-from chorus_tune.tune import ChorusTrainable
+from chorus_tune.tune import ChorusTrainable, grafana
 from dashboard_support import free_port, ray_head
 from tune_support import digits_task, run_config
 
@@ -20,17 +21,17 @@ from tune_support import digits_task, run_config
 def sweep(tmp_path_factory):
     port = free_port()
     with ray_head(num_cpus=2, metrics_export_port=port, system_config={"metrics_report_interval_ms": 1000}) \
-            as (dashboard, _):
+            as head:
         # idle_close_s keeps the bucket alive after the sweep, to be inspected.
         trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, idle_close_s=120.0)
         results = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.1])},
                              tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
                              run_config=run_config(tmp_path_factory.mktemp("obs"), 3)).fit()
-        yield port, results, dashboard
+        yield port, results, head.dashboard, head.temp_dir
 
 
 def test_buckets_are_named_actors_whose_repr_holds_only_what_never_changes(sweep):
-    _, results, dashboard = sweep
+    _, results, dashboard, _ = sweep
     bucket = results[0].metrics["chorus/bucket"]
     actors = list_actors(address=dashboard, filters=[("class_name", "=", "ChorusBucket")], detail=True)
     ours = [a for a in actors if a.name == bucket]
@@ -40,7 +41,7 @@ def test_buckets_are_named_actors_whose_repr_holds_only_what_never_changes(sweep
 
 
 def test_trial_actors_show_as_chorus_trainable_naming_the_trial_each_started_for(sweep):
-    _, results, dashboard = sweep
+    _, results, dashboard, _ = sweep
     actors = list_actors(address=dashboard, filters=[("class_name", "=", "ChorusTrainable")], detail=True)
     # No reuse_actors here: one actor per trial.
     assert sorted(a.repr_name for a in actors) == sorted(f"ChorusTrainable(started for trial {r.metrics['trial_id']})"
@@ -48,7 +49,7 @@ def test_trial_actors_show_as_chorus_trainable_naming_the_trial_each_started_for
 
 
 def test_the_bucket_log_has_a_status_line_per_iteration(sweep):
-    _, results, dashboard = sweep
+    _, results, dashboard, _ = sweep
     bucket = results[0].metrics["chorus/bucket"]
     actor = list_actors(address=dashboard, filters=[("name", "=", bucket)])[0]
     text = "".join(get_log(address=ray.get_runtime_context().gcs_address, actor_id=actor.actor_id, suffix="out",
@@ -59,25 +60,45 @@ def test_the_bucket_log_has_a_status_line_per_iteration(sweep):
     assert iterations[:last] == list(range(1, last + 1))
 
 
-def test_bucket_metrics_reach_the_metrics_endpoint(sweep):
-    port, results, _ = sweep
-    bucket = results[0].metrics["chorus/bucket"]
-    wanted = ["ray_chorus_live_members", "ray_chorus_fused_steps", "ray_chorus_samples_per_second",
-              "ray_chorus_step_time_seconds", "ray_chorus_route", "ray_chorus_wasted_iterations"]
-    deadline, text = time.monotonic() + 60, ""
+def _exported(port: int, bucket: str, wanted: set[str]) -> list[str]:
+    """The metric lines of ``bucket`` on the endpoint, once all of ``wanted`` are there (or after 60 s)."""
+    deadline, lines = time.monotonic() + 60, []
     while time.monotonic() < deadline:
         try:
             text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         except OSError:
             text = ""
         lines = [line for line in text.splitlines() if f'bucket="{bucket}"' in line]
-        if all(any(line.startswith(w) for line in lines) for w in wanted):
+        if {line.split("{", 1)[0] for line in lines} >= wanted:
             break
         time.sleep(1)
-    lines = [line for line in text.splitlines() if f'bucket="{bucket}"' in line]
-    missing = [w for w in wanted if not any(line.startswith(w) for line in lines)]
+    return lines
+
+
+def test_bucket_metrics_reach_the_metrics_endpoint(sweep):
+    port, results, *_ = sweep
+    bucket = results[0].metrics["chorus/bucket"]
+    wanted = {"ray_chorus_live_members", "ray_chorus_fused_steps_total", "ray_chorus_samples_per_second",
+              "ray_chorus_step_time_seconds", "ray_chorus_route", "ray_chorus_wasted_iterations"}
+    lines = _exported(port, bucket, wanted)
+    missing = wanted - {line.split("{", 1)[0] for line in lines}
     assert not missing, f"not exported: {missing}"
     steps = [line for line in lines if line.startswith("ray_chorus_fused_steps")]
     assert float(steps[0].rsplit(" ", 1)[1]) > 0
     route = [line for line in lines if line.startswith("ray_chorus_route") and line.endswith(" 1.0")]
     assert len(route) == 1 and results[0].metrics["chorus/route"] in route[0]
+
+
+def test_every_metric_the_grafana_dashboard_reads_is_exported_by_a_live_bucket(sweep):
+    port, results, *_ = sweep
+    wanted = grafana.queried_metrics()
+    lines = _exported(port, results[0].metrics["chorus/bucket"], wanted)
+    assert wanted <= {line.split("{", 1)[0] for line in lines}
+
+
+def test_the_grafana_dashboard_installs_beside_rays_own_in_the_running_session(sweep):
+    *_, temp_dir = sweep
+    installed = grafana.install(temp_dir)
+    # Ray's own dashboards are provisioned from the same folder.
+    assert any(p.name.startswith("default_grafana_dashboard") for p in installed.parent.iterdir())
+    assert json.loads(installed.read_text())["uid"] == grafana.UID

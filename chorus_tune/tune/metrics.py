@@ -1,5 +1,6 @@
 """``ray.util.metrics`` of a bucket (docs/design.md D12): exported on Ray's metrics
-endpoint as ``ray_chorus_*``, tagged with the bucket's name and model class."""
+endpoint as ``ray_chorus_*`` (counters as ``ray_chorus_*_total``), tagged with
+the bucket's name and model class. :mod:`chorus_tune.tune.grafana` draws them."""
 from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge
@@ -7,35 +8,54 @@ from ray.util.metrics import Counter, Gauge
 _TAGS = ("bucket", "model")
 ROUTES = ("vmap", "eager")
 
+# The names, without Ray's "ray_" prefix (and a counter's "_total" suffix).
+LIVE_MEMBERS = "chorus_live_members"
+CAPACITY = "chorus_capacity"
+FUSED_STEPS = "chorus_fused_steps"
+ITERATIONS = "chorus_iterations"
+SAMPLES_PER_SECOND = "chorus_samples_per_second"
+STEP_TIME = "chorus_step_time_seconds"
+COMPACTIONS = "chorus_compactions"
+ROUTE = "chorus_route"
+WASTED = "chorus_wasted_iterations"
+COUNTERS = (FUSED_STEPS, ITERATIONS)
+
+
+def exported_name(name: str) -> str:
+    """The name Prometheus sees for metric ``name``."""
+    return f"ray_{name}_total" if name in COUNTERS else f"ray_{name}"
+
 
 class BucketMetrics:
     """The gauges and counters one bucket actor keeps up to date."""
 
     def __init__(self, bucket: str, model: str):
         tags = {"bucket": bucket, "model": model}
-        self.live = Gauge("chorus_live_members", "Members in the bucket's slots.", tag_keys=_TAGS)
-        self.capacity = Gauge("chorus_capacity", "Slots of the bucket.", tag_keys=_TAGS)
-        self.fused_steps = Counter("chorus_fused_steps", "Fused training steps run.", tag_keys=_TAGS)
-        self.iterations = Counter("chorus_iterations", "Fused iterations run (each trains some or all members).",
+        self.live = Gauge(LIVE_MEMBERS, "Members in the bucket's slots.", tag_keys=_TAGS)
+        self.capacity = Gauge(CAPACITY, "Slots of the bucket.", tag_keys=_TAGS)
+        self.fused_steps = Counter(FUSED_STEPS, "Fused training steps run.", tag_keys=_TAGS)
+        self.iterations = Counter(ITERATIONS, "Fused iterations run (each trains some or all members).",
                                   tag_keys=_TAGS)
-        self.samples_per_s = Gauge("chorus_samples_per_second",
+        self.samples_per_s = Gauge(SAMPLES_PER_SECOND,
                                    "Training samples per second over all members, last iteration.",
                                    tag_keys=_TAGS)
-        self.step_time = Gauge("chorus_step_time_seconds", "Seconds per fused step, last iteration.",
+        self.step_time = Gauge(STEP_TIME, "Seconds per fused step, last iteration.",
                                tag_keys=_TAGS)
-        self.compactions = Counter("chorus_compactions", "Times the bucket shrank to its live members.",
-                                   tag_keys=_TAGS)
-        self.route = Gauge("chorus_route", "1 for the route the bucket runs (vmap or eager).",
+        # Running totals as gauges, not counters: Ray exports a counter only
+        # once it is incremented, and "none yet" is worth a picture.
+        self.compactions = Gauge(COMPACTIONS, "Times the bucket shrank to its live members, so far.",
+                                 tag_keys=_TAGS)
+        self.route = Gauge(ROUTE, "1 for the route the bucket runs (vmap or eager).",
                            tag_keys=_TAGS + ("route",))
-        # A gauge of the running total, not a counter: Ray exports a counter
-        # only once it is incremented, and "0 wasted" is worth a picture.
-        self.wasted_iterations = Gauge("chorus_wasted_iterations",
+        self.wasted_iterations = Gauge(WASTED,
                                        "Member-iterations the bucket computed that no trial read, so far.",
                                        tag_keys=_TAGS)
         for metric in (self.live, self.capacity, self.fused_steps, self.iterations, self.compactions,
                        self.samples_per_s, self.step_time, self.wasted_iterations):
             metric.set_default_tags(tags)
         self._tags = tags
+        self._compactions = 0
+        self.compactions.set(0)
         self.wasted(0)
 
     def members(self, live: int, capacity: int) -> None:
@@ -45,7 +65,8 @@ class BucketMetrics:
 
     def compacted(self, live: int, capacity: int) -> None:
         """The bucket shrank to ``capacity`` slots."""
-        self.compactions.inc()
+        self._compactions += 1
+        self.compactions.set(self._compactions)
         self.members(live, capacity)
 
     def wasted(self, total: int) -> None:
