@@ -1,7 +1,8 @@
 """The same training as a bucket's, for one model, with no fusion: the yardstick.
 
 Same initial weights (``torch.manual_seed(seed); task.model(config)``), same
-per-seed batch order, same losses and schedules, and the stock
+per-seed batch order, same losses and schedules, the same precision (the
+forward pass and loss under the task's autocast), and the stock
 ``torch.optim`` optimizers. Every fused path is tested against this, and the
 plain-Tune baseline trains with it.
 """
@@ -15,6 +16,7 @@ from torch import nn
 from . import losses
 from .data import BatchOrder, SharedBatches, eval_batches
 from .optim import build_torch_optimizer, hyperparameters
+from .precision import autocast
 from .schedules import scheduled_lr
 from .seeds import as_seed, config_seed
 from .task import Task, TensorSplit
@@ -73,7 +75,8 @@ class ReferenceRun:
             for group in optimizer.param_groups:
                 group["lr"] = scheduled_lr(self.hp["lr"], self.hp["schedule"], self.step)
             optimizer.zero_grad(set_to_none=True)
-            loss = self.task.loss_fn(model(x), y).mean()
+            with autocast(self.task.precision, device):
+                loss = self.task.loss_fn(model(x), y).mean()
             loss.backward()
             optimizer.step()
             loss_sum += loss.detach()
@@ -91,8 +94,9 @@ def evaluate(task: Task, model: nn.Module, val_split, device: torch.device) -> d
     correct = torch.zeros((), device=device)
     count = 0
     for x, y in eval_batches(val_split, task.eval_batch_size, device):
-        output = model(x)
-        loss_sum += task.loss_fn(output, y).sum()
+        with autocast(task.precision, device):
+            output = model(x)
+            loss_sum += task.loss_fn(output, y).float().sum()
         if task.is_classification:
             correct += losses.accuracy_count(output, y)
         count += int(y.shape[0])

@@ -4,11 +4,13 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
+from torch import nn
 
 import chorus_tune as ct
 from chorus_tune import reference
 
-from models import cnn, digits, mlp, params_close, regression_task
+from models import SmallCNN, cnn, digits, mlp, params_close, regression_task
 
 MLP_RTOL = 1e-5  # docs/design.md, 'What equivalent means': float32, 100 steps, MLP
 # Convolutions and BatchNorm sum in a different order batched than unbatched
@@ -87,3 +89,88 @@ def test_mse_regression_members_follow_reference():
     configs = [dict(lr=0.01, seed=0), dict(lr=0.02, seed=1)]
     bucket, fused = run_and_compare(task, configs, iterations=2, rtol=MLP_RTOL)
     assert "val_accuracy" not in fused[-1][0]
+
+
+# ----- precision="bf16" ---------------------------------------------------------------------------
+# The eager route runs each member through the same kernels as the reference:
+# measured at most 4e-4 apart after 100 bf16 steps (CNN, Adam), 0 for the MLP,
+# while the same member trained in float32 is ~1e-2 away from its bf16
+# reference, so this bound also fails a path that skipped autocast. The vmap
+# route's batched kernels round at other points than the unbatched ones, and
+# bfloat16 keeps 8 bits: after 20 steps, parameters measured up to 4.0e-2
+# apart (relative to each tensor's largest entry; Adam turns rounding noise in
+# small gradients into full steps) and val_loss up to 7e-4.
+BF16_EAGER_RTOL = 1e-3
+BF16_VMAP_PARAM_RTOL = 1e-1
+BF16_VMAP_LOSS_RTOL = 5e-3
+
+BF16_CASES = {
+    "mlp_sgd": (mlp, False, "sgd", [dict(lr=0.05, seed=0), dict(lr=0.1, momentum=0.9, seed=1), dict(lr=0.02, seed=2)]),
+    "cnn_adam": (cnn, True, "adam", [dict(lr=1e-3, seed=0), dict(lr=3e-3, seed=1), dict(lr=2e-3, seed=2)]),
+}
+
+
+@pytest.mark.parametrize("route", ["eager", "vmap"])
+@pytest.mark.parametrize("case", sorted(BF16_CASES))
+def test_bf16_members_follow_their_bf16_reference(case, route):
+    factory, images, family, configs = BF16_CASES[case]
+    task = ct.Task(factory, digits(images=images), optimizer=family, batch_size=32, iteration_steps=10,
+                   precision="bf16")
+    if route == "eager":
+        run_and_compare(task, configs, iterations=2, rtol=BF16_EAGER_RTOL, route="eager")
+        return
+    bucket = ct.Bucket(task, capacity=len(configs), route="vmap")
+    slots = [bucket.add(c) for c in configs]
+    fused = [bucket.run_iteration() for _ in range(2)]
+    for slot, config in zip(slots, configs):
+        history, model = reference.train(task, config, iterations=2)
+        for ours, theirs in zip(fused, history):
+            assert math.isclose(ours[slot]["val_loss"], theirs["val_loss"], rel_tol=BF16_VMAP_LOSS_RTOL)
+        params_close(bucket.export_model(slot), model, BF16_VMAP_PARAM_RTOL)
+
+
+class AutocastSpy(nn.Module):
+    """A CNN with BatchNorm that records whether autocast is on in its forward."""
+
+    seen: list[tuple[bool, bool]] = []  # (training, autocast on), one per forward
+
+    def __init__(self):
+        super().__init__()
+        self.inner = SmallCNN()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        AutocastSpy.seen.append((self.training, torch.is_autocast_enabled("cpu")))
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("route", ["vmap", "eager"])
+def test_bf16_autocasts_training_and_evaluation_and_keeps_batchnorm_statistics_float32_per_member(route):
+    task = ct.Task(lambda c: AutocastSpy(), digits(images=True), optimizer="sgd", batch_size=32,
+                   iteration_steps=5, precision="bf16")
+    bucket = ct.Bucket(task, capacity=2, route=route)
+    slots = [bucket.add(dict(lr=0.05, momentum=0.9, seed=s)) for s in (3, 4)]
+    AutocastSpy.seen.clear()
+    bucket.run_iteration()
+    assert {training for training, _ in AutocastSpy.seen} == {True, False}  # training and evaluation both ran
+    assert all(on for _, on in AutocastSpy.seen)
+    assert all(t.dtype == torch.float32 for t in bucket.stack.state_tensors() if t.is_floating_point())
+    stats = [bucket.export_model(k).inner.bn for k in slots]
+    # chorus-torch documents BatchNorm statistics frozen at mean 0 / var 1 under
+    # vmap + autocast (the update went to a cast copy). Here each member's move,
+    # each its own, and as its reference's do.
+    for bn in stats:
+        assert not torch.allclose(bn.running_mean, torch.zeros_like(bn.running_mean))
+        assert not torch.allclose(bn.running_var, torch.ones_like(bn.running_var))
+        assert bn.num_batches_tracked.item() == 5
+    assert not torch.allclose(stats[0].running_mean, stats[1].running_mean)
+    for slot, bn in zip(slots, stats):
+        _, model = reference.train(task, bucket.config(slot), iterations=1)
+        rtol = BF16_EAGER_RTOL if route == "eager" else BF16_VMAP_PARAM_RTOL
+        for name in ("running_mean", "running_var"):
+            ours, theirs = getattr(bn, name).double(), getattr(model.inner.bn, name).double()
+            assert ((ours - theirs).abs().max() / theirs.abs().max()).item() <= rtol, name
+
+
+def test_an_unknown_precision_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match=r"precision must be one of \('fp32', 'bf16'\); got 'fp16'"):
+        ct.Task(mlp, digits(), precision="fp16")
