@@ -62,3 +62,13 @@ bench-overhead: setup
 bench-startup: setup
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/trial_startup.py --json benchmarks/results/trial_startup.json
+
+# The README's picture of Ray's dashboard (docs/dashboard-actors.png): the browser test's
+# screenshot of the Actors page with a live bucket. Needs Chromium (apt-get install chromium).
+.PHONY: screenshot
+screenshot: setup
+	@$(BIN)/python -c "import sys; sys.path.insert(0, 'tests'); from dashboard_support import find_chromium; \
+	    sys.exit(find_chromium() is None and 'no Chromium binary: apt-get install chromium (or set CHROMIUM)')"
+	rm -f docs/dashboard-actors.png
+	CHORUS_SCREENSHOT=$(CURDIR)/docs/dashboard-actors.png $(BIN)/python -m pytest -q tests/test_dashboard_browser.py
+	test -s docs/dashboard-actors.png
