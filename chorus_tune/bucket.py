@@ -437,15 +437,18 @@ class Bucket:
 
     def _train_group(self, group: list[int], plan: _Plan, gather: bool) -> dict[int, dict[str, Any]]:
         active = self._active_mask(group)
-        # The full-stack forward updates BatchNorm statistics of every row; a
-        # gathered one touches the group's rows only.
-        frozen = None if gather else self._snapshot_buffers([k for k in range(self.capacity) if k not in group])
+        # The full-stack forward updates BatchNorm statistics of every row,
+        # empty ones too; the rows of members outside the group are put back so
+        # they stay frozen. A gathered forward touches the group's rows only.
+        others = [k for k in range(self.capacity) if k not in group]
+        frozen = None if gather or not others else self.stack.snapshot_buffers(others)
         self.stack.set_training(True)
         loss_sum = torch.zeros(self.capacity, device=self.device)
         for s in range(plan.steps):
             x, y, shared = self._batch(plan, s, group if gather else None)
             loss_sum += self._train_step(x, y, shared, plan.lr[s], active, group, self.route, gather).detach()
-        self._restore_buffers(frozen)
+        if frozen is not None:
+            self.stack.restore_buffers(frozen)
         val = self._evaluate(group, gather)
         train_loss = (loss_sum / plan.steps).tolist()
         # Counters last: a group that fails anywhere above has not advanced.
@@ -523,21 +526,6 @@ class Bucket:
         torch.where(active, member_losses, torch.zeros_like(member_losses)).sum().backward()
         self.optimizer.step(lr, active, live)
         return member_losses
-
-    def _snapshot_buffers(self, slots: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]] | None:
-        # Forward passes update BatchNorm statistics of every row, empty ones too;
-        # put the rows of inactive slots back so they stay frozen.
-        if not slots or not self.stack.buffers:
-            return None
-        rows = torch.tensor(slots, device=self.device)
-        return rows, {n: b[rows].clone() for n, b in self.stack.buffers.items()}
-
-    def _restore_buffers(self, frozen: tuple[torch.Tensor, dict[str, torch.Tensor]] | None) -> None:
-        if frozen is None:
-            return
-        rows, saved = frozen
-        for n, values in saved.items():
-            self.stack.buffers[n][rows] = values
 
     @torch.no_grad()
     def _evaluate(self, live: list[int], gather: bool = False) -> dict[str, list[float]]:

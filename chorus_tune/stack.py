@@ -155,6 +155,14 @@ class MemberStack:
         for p in self.params.values():
             p.grad = None
 
+    def snapshot_buffers(self, rows: list[int]) -> RowCopies:
+        """Copies of ``rows`` of the buffers only (BatchNorm statistics, which
+        a full-stack forward writes in every row), for :meth:`restore_buffers`."""
+        return copy_rows(list(self.buffers.values()), rows)
+
+    def restore_buffers(self, snapshot: RowCopies) -> None:
+        put_rows(list(self.buffers.values()), snapshot)
+
     # ----- modes --------------------------------------------------------------------------------
     def _live_skeletons(self) -> Iterable[nn.Module]:
         yield self.template
