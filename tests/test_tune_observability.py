@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -102,3 +106,49 @@ def test_the_grafana_dashboard_installs_beside_rays_own_in_the_running_session(s
     # Ray's own dashboards are provisioned from the same folder.
     assert any(p.name.startswith("default_grafana_dashboard") for p in installed.parent.iterdir())
     assert json.loads(installed.read_text())["uid"] == grafana.UID
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+def _prometheus_query(web: int, expr: str) -> list[dict]:
+    url = f"http://127.0.0.1:{web}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    return json.loads(urllib.request.urlopen(url, timeout=5).read())["data"]["result"]
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (apt-get install prometheus): the Grafana "
+                                               "dashboard's queries are run by a real Prometheus only")
+def test_every_grafana_query_finds_the_bucket_in_a_prometheus_that_scrapes_ray(sweep, tmp_path):
+    port, results, *_ = sweep
+    bucket = results[0].metrics["chorus/bucket"]
+    config = tmp_path / "prometheus.yml"
+    config.write_text("global:\n  scrape_interval: 1s\nscrape_configs:\n- job_name: ray\n  static_configs:\n"
+                      f"  - targets: ['127.0.0.1:{port}']\n")
+    web = free_port()
+    server = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+                               f"--web.listen-address=127.0.0.1:{web}"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # What Grafana substitutes for the dashboard's variables (this bucket, any session).
+    exprs = [t["expr"].replace("$SessionName", ".*").replace("$bucket", bucket)
+             .replace("$__rate_interval", "30s") for p in grafana.dashboard()["panels"] for t in p["targets"]]
+    try:
+        found: dict[str, list] = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(found) < len(exprs):
+            for expr in exprs:
+                try:
+                    series = _prometheus_query(web, expr)
+                except urllib.error.HTTPError:
+                    raise  # Prometheus refused the query
+                except OSError:
+                    series = []  # not up yet
+                if series:
+                    found[expr] = series
+            time.sleep(1)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert set(found) == set(exprs), f"no series for: {set(exprs) - set(found)}"
+    for expr, series in found.items():
+        # Every query's series are this bucket's (sum() over buckets has no bucket label).
+        assert all(s["metric"].get("bucket", bucket) == bucket for s in series), expr
