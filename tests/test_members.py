@@ -226,3 +226,15 @@ def test_a_member_that_left_keeps_no_state_in_the_book():
     assert book.get("m0").state_at_taken == "state-m0-1"
     book.leave("m0")
     assert book.get("m0").state_at_taken is None
+
+
+def test_a_finished_member_read_to_the_end_is_drained_only_once_its_trial_leaves():
+    # Tune saves a trial's checkpoint after its last result: the bucket must
+    # stay open (not "drained") until the trial has left.
+    book = book_with(Plan(run_ahead=2, budget=2, bucket_decides=True), 1)
+    run_until_idle(book)
+    assert book.get("m0").phase is Phase.FINISHED
+    assert [book.ask("m0").iteration for _ in range(2)] == [1, 2]
+    assert not book.get("m0").queue and not book.get("m0").drained
+    book.leave("m0")
+    assert book.get("m0") is None or book.get("m0").drained

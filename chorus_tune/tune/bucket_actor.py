@@ -88,7 +88,7 @@ class ChorusBucket:
     """
 
     def __init__(self, name: str, task_blob: bytes, options: BucketOptions, model_name: str,
-                 pool: Any = None):
+                 pool: Any = None, capacity_fit: dict | None = None):
         import torch
 
         from chorus_tune.bucket import Bucket
@@ -97,6 +97,8 @@ class ChorusBucket:
         torch.set_num_threads(bucket_threads(resources))
         task = cloudpickle.loads(task_blob)
         self.name, self.model_name, self.options, self._pool = name, model_name, options, pool
+        # An "auto" bucket_size's fit, in every result: the size is the fit's k.
+        self.capacity_fit = {} if capacity_fit is None else {rk.CAPACITY_FIT: dict(capacity_fit)}
         # Read off this process (Ray's GPU ids on this node, CUDA_VISIBLE_DEVICES),
         # never off the cluster: a bucket cannot know how many share its node.
         self.choice = pick_device(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -451,7 +453,8 @@ class ChorusBucket:
                 rk.BUCKET_ITERATION: self.iterations,
                 rk.ROUTE: metrics.get("route", self.core.route), rk.ROUTE_REASON: self.core.route_reason.value,
                 rk.LIVE: live,
-                rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions}
+                rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions,
+                rk.OOM_RECOVERIES: self.core.oom_recoveries, **self.capacity_fit}
 
     def _report(self, trained: int, in_slots: int, capacity: int, batch: int, seconds: float) -> None:
         steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
@@ -516,7 +519,7 @@ class ChorusBucket:
             "route": self.core.route, "iterations": self.iterations, "fused_steps": self.core.fused_steps,
             "compactions": self.compactions, "wasted": self.book.wasted, "max_queue": self.book.max_queue,
             **self.where(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
-            "pid": os.getpid(),
+            "pid": os.getpid(), "oom_recoveries": self.core.oom_recoveries,
         }
 
     async def drained(self) -> bool:

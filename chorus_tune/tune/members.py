@@ -121,9 +121,11 @@ class MemberRecord:
 
     @property
     def drained(self) -> bool:
-        """Nothing more will ever be read from this member."""
-        return self.phase in (Phase.LEFT, Phase.FAILED) or (
-            self.phase is Phase.FINISHED and not self.queue)
+        """Nothing more will ever be read from this member: it left, or failed.
+        A finished member whose trial has read every result is not drained
+        until its trial leaves: Tune still saves that trial's checkpoint at the
+        end, and the save reads the member's state from its bucket."""
+        return self.phase in (Phase.LEFT, Phase.FAILED)
 
 
 class MemberBook:

@@ -3,17 +3,30 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
+from chorus_tune.capacity import CPU_DEFAULT_CAPACITY
 from chorus_tune.seeds import as_seed
 
 from .members import Plan
+
+
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
 class BucketOptions:
     """How the buckets of one ChorusTrainable class behave.
 
-    ``bucket_size``: slots per bucket. ``resources_per_bucket``: see
+    ``bucket_size``: slots per bucket, or ``"auto"``: measured on the
+    bucket's device for each structure before its first bucket opens
+    (:func:`chorus_tune.capacity.auto_capacity`: peak memory of real fused
+    steps at a few small K, fitted as a + b*K, the largest K under
+    ``memory_fraction`` of free memory), at most ``max_bucket_size``. On a
+    CPU-only bucket without a ``memory_meter`` it is the documented fixed
+    default, 16 (capped), with no measurement. ``memory_meter``: a callable
+    ``device -> MemoryMeter`` used instead of CUDA's allocator statistics (a
+    test's fake device, or a meter of your own). ``resources_per_bucket``: see
     :mod:`chorus_tune.tune.resources` (``None``: one GPU where there are GPUs,
     else one CPU). ``route``: ``"auto" | "vmap" | "eager"``.
 
@@ -44,7 +57,7 @@ class BucketOptions:
     left (a trial reusing the leaver's actor refills the slot instead).
     """
 
-    bucket_size: int = 16
+    bucket_size: int | str = 16
     resources_per_bucket: tuple[tuple[str, float], ...] | None = None
     route: str = "auto"
     run_ahead: int = 2
@@ -57,10 +70,17 @@ class BucketOptions:
     max_buckets: int | None = None
     compact: bool = True
     compact_after_s: float = 1.0
+    max_bucket_size: int | None = None
+    memory_fraction: float = 0.8
+    memory_meter: Callable[[Any], Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.bucket_size < 1:
-            raise ValueError(f"bucket_size must be positive; got {self.bucket_size}")
+        if self.bucket_size != AUTO and (not isinstance(self.bucket_size, int) or self.bucket_size < 1):
+            raise ValueError(f"bucket_size must be a positive int or 'auto'; got {self.bucket_size!r}")
+        if self.max_bucket_size is not None and self.max_bucket_size < 1:
+            raise ValueError(f"max_bucket_size must be positive; got {self.max_bucket_size}")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1]; got {self.memory_fraction}")
         if self.route not in ("auto", "vmap", "eager"):
             raise ValueError(f"route must be 'auto', 'vmap' or 'eager'; got {self.route!r}")
         if self.run_ahead < 0:
@@ -69,6 +89,19 @@ class BucketOptions:
             raise ValueError(f"max_iterations must be positive; got {self.max_iterations}")
         if self.ahead_memory_mb <= 0:
             raise ValueError(f"ahead_memory_mb must be positive; got {self.ahead_memory_mb}")
+
+    @property
+    def auto(self) -> bool:
+        return self.bucket_size == AUTO
+
+    @property
+    def expected_size(self) -> int:
+        """Slots per bucket to size other things by (Tune's trial tokens,
+        ChorusSearch's look-ahead) before an ``"auto"`` size is measured: the
+        cap, or the CPU default."""
+        if not self.auto:
+            return self.bucket_size
+        return self.max_bucket_size or CPU_DEFAULT_CAPACITY
 
     @staticmethod
     def resources(resources_per_bucket: dict | None) -> tuple[tuple[str, float], ...] | None:

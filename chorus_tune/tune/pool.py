@@ -35,6 +35,7 @@ from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
 from .cluster import node_cpus, pool_scheduling_strategy
 from .resources import bucket_actor_options, bucket_budget, default_bucket_resources, shared_threads
+from .sizing import fit_summary, measure_bucket_size
 
 logger = logging.getLogger(__name__)
 
@@ -100,6 +101,8 @@ class ChorusPool:
         self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
         self._closing: set[str] = set()
+        self._unplaced: dict[str, BaseException] = {}  # members whose placement failed: why
+        self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
         self._started = False
 
     def _start(self) -> None:
@@ -142,26 +145,24 @@ class ChorusPool:
             return NEED_TASK
         out, placements = {}, []
         for member, config, seed in seats:
-            known = member in self.seats or member in self.homes or member in self.failed
-            if known and member in self._claimed():
-                # Seated again (ChorusSearch restored in this job) while a
-                # trial is bound to it or reads it: restarting it would pull
-                # it from under that trial ("not in bucket", "left before it
-                # was placed"). It stays as it is; its results are still
-                # queued from iteration 1 for a trial that has not read yet.
+            if member in self.seats or member in self.homes or member in self.failed:
+                # Seated again (ChorusSearch restored in this job): it is kept
+                # as it is. Its state is what a fresh seat would compute, only
+                # further along, and its results wait from the first one its
+                # trial has not read. (A trial that read some and left made it
+                # leave.) Restarting it would pull it from under a trial that
+                # already reads it or waits for its slot.
                 out[member] = self._seat_status(member)
                 continue
-            if known:
-                # Seated again with no trial on it: start afresh.
-                await self.leave(member)
             try:
                 key = self._key(task_id_, options, config)
-            except Exception as exc:  # noqa: BLE001 - the factory's error, for this member's trial
+                size = await self._bucket_size(key, options, config)
+            except Exception as exc:  # noqa: BLE001 - the factory's (or the sizing's) error, for this member's trial
                 self.failed[member] = exc
                 out[member] = "failed"
                 continue
             self.seats[member] = Join(config=dict(config), seed=int(seed), plan=plan)
-            placed = self.placement.request(member, key, options.bucket_size)
+            placed = self.placement.request(member, key, size)
             out[member] = "queued" if placed is None else "seated"
             if placed is not None:
                 placements.append(placed)
@@ -171,10 +172,6 @@ class ChorusPool:
         for placed in placements:
             asyncio.get_running_loop().create_task(self._realize_waiting(placed))
         return out
-
-    def _claimed(self) -> set[str]:
-        """Members a trial is bound to or reads now."""
-        return set(self.bound.values()) | {member for member, _ in self.reading.values()}
 
     def _seat_status(self, member: str) -> str:
         if member in self.failed:
@@ -232,9 +229,10 @@ class ChorusPool:
             return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, self._tokens)
         self.reading[trial_id] = (trial_id, self._tokens)
         key = self._key(task_id_, options, config)
+        size = await self._bucket_size(key, options, config)
         plan = options.plan(self.plans.get(trial_id))
         seed = int(seed) if seed is not None else 0
-        placed = self.placement.request(trial_id, key, options.bucket_size)
+        placed = self.placement.request(trial_id, key, size)
         if placed is None:
             logger.info("pool: %s waits for a bucket (all %s in use)", trial_id, self.placement.max_buckets)
             return Reservation(trial_id, seed, plan, None, None, False, self._tokens)
@@ -244,6 +242,8 @@ class ChorusPool:
     async def await_placement(self, member: str):
         """``(bucket name, handle)`` of a member waiting for a slot, once it has one
         (and its bucket expects it)."""
+        if member in self._unplaced:
+            raise self._unplaced[member]
         name = self.homes.get(member)
         if name is None:
             placed = self.placement is not None and (self.placement.is_waiting(member)
@@ -258,6 +258,9 @@ class ChorusPool:
         try:
             await self._realize(placed)
         except Exception as exc:  # noqa: BLE001 - the waiting trial hears of it
+            logger.error("pool: placing member %s in bucket %s failed: %r", placed.trial_id, placed.bucket, exc)
+            # Kept for a trial that asks later: with no one told, it would wait forever.
+            self._unplaced[placed.trial_id] = exc
             future = self._waiting.pop(placed.trial_id, None)
             if future is not None and not future.done():
                 future.set_exception(exc)
@@ -269,20 +272,23 @@ class ChorusPool:
         if placed.opened or name not in self.handles:
             record = self.placement.buckets[name]
             tid, options, model_name, _ = self.key_info[record.key]
-            resources = dict(options.resources_per_bucket or default_bucket_resources(ray.cluster_resources()))
-            bucket_options = BucketOptions(**{**options.__dict__,
+            resources = self._bucket_resources(options)
+            # The bucket gets its size as a number: an "auto" size was measured for its key.
+            bucket_options = BucketOptions(**{**options.__dict__, "bucket_size": record.capacity,
                                               "resources_per_bucket": BucketOptions.resources(resources)})
+            fit = self._fit_of(record.key)
             from .bucket_actor import BucketActor
 
             handle = BucketActor.options(
                 name=name, namespace=NAMESPACE, scheduling_strategy="DEFAULT", max_restarts=0,
                 **bucket_actor_options(resources),
-            ).remote(name, self.blobs[tid], bucket_options, model_name, ray.get_runtime_context().current_actor)
+            ).remote(name, self.blobs[tid], bucket_options, model_name, ray.get_runtime_context().current_actor,
+                     capacity_fit=fit)
             self.handles[name] = handle
             self._share_cores()
             self.history[name] = {"model": model_name, "bucket_size": record.capacity,
                                   "capacity": record.capacity, "trials": record.ever,
-                                  "closed": False, "reaped": []}
+                                  "closed": False, "reaped": [], "capacity_fit": fit}
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
         member = placed.trial_id
         await self.handles[name].expect.remote(member, self.clients.get(member), self.seats.get(member))
@@ -307,9 +313,35 @@ class ChorusPool:
     def _budget(self, options: BucketOptions) -> int:
         if options.max_buckets is not None:
             return options.max_buckets
-        cluster = ray.cluster_resources()
-        resources = dict(options.resources_per_bucket or default_bucket_resources(cluster))
-        return bucket_budget(cluster, resources)
+        return bucket_budget(ray.cluster_resources(), self._bucket_resources(options))
+
+    @staticmethod
+    def _bucket_resources(options: BucketOptions) -> dict[str, float]:
+        return dict(options.resources_per_bucket or default_bucket_resources(ray.cluster_resources()))
+
+    async def _bucket_size(self, key: GroupKey, options: BucketOptions, config: dict) -> int:
+        """Slots for a new bucket of ``key``: ``bucket_size``, or for ``"auto"``
+        the size measured once per key (concurrent callers share the one
+        measurement; a key too big for even one member fails every member of
+        it with the measurement's error)."""
+        if not options.auto:
+            return options.bucket_size
+        if key not in self._sizing:
+            self._sizing[key] = asyncio.ensure_future(measure_bucket_size(
+                self.tasks[key.task_id], self.blobs[key.task_id], config, options, self._bucket_resources(options)))
+        fit = await asyncio.shield(self._sizing[key])
+        logger.info("pool: bucket size %d for %s (%s: %s)", fit.k, key.model_name, fit.source, fit.reason)
+        return fit.k
+
+    async def bucket_size_for(self, task_id_: str, options: BucketOptions, config: dict) -> int:
+        """Slots of a new bucket for members like ``config`` (measured, for ``"auto"``)."""
+        return await self._bucket_size(self._key(task_id_, options, config), options, config)
+
+    def _fit_of(self, key: GroupKey) -> dict | None:
+        sizing = self._sizing.get(key)
+        if sizing is None or not sizing.done() or sizing.exception() is not None:
+            return None
+        return fit_summary(sizing.result())
 
     # ----- plans ------------------------------------------------------------------------------------
     async def set_plan(self, trial_id: str, schedule: RungSchedule) -> None:
@@ -350,6 +382,7 @@ class ChorusPool:
         self._start()
         self.seats.pop(member, None)
         self.failed.pop(member, None)
+        self._unplaced.pop(member, None)
         future = self._waiting.pop(member, None)
         if future is not None and not future.done():
             future.set_exception(RuntimeError(f"member {member} left before it was placed"))
@@ -373,6 +406,8 @@ class ChorusPool:
         or was ``"reaped"``. The slot goes to a waiting member."""
         if reason != "finished":
             self.homes.pop(member, None)
+        if reason == "reaped":
+            self.seats.pop(member, None)  # gone: seating it again starts afresh
             if name in self.history:
                 self.history[name].setdefault(reason, []).append(member)
         if self.placement is None or self.placement.bucket_of(member) != name:

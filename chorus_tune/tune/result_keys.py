@@ -13,6 +13,8 @@ ROUTE = "chorus/route"  # "vmap", "compiled" or "eager": how the fused step ran
 LIVE = "chorus/live"  # members trained in the fused iteration that computed this result
 CAPACITY = "chorus/capacity"  # the bucket's slots then (less after compaction)
 SEED = "chorus/seed"  # the member's seed: reference.train(task, config, seed) replays it
+CAPACITY_FIT = "chorus/capacity_fit"  # bucket_size="auto" only: {k, a, b, free_bytes, fraction, source, reason}
+OOM_RECOVERIES = "chorus/oom_recoveries"  # out-of-memory errors the bucket survived so far (groups got smaller)
 COMPACTIONS = "chorus/compactions"  # times the bucket shrank to its live members
 AHEAD = "chorus/ahead"  # results of this member already computed behind this one when it was read
 WASTED = "chorus/wasted"  # member-iterations this bucket computed that no trial ever read, so far
@@ -26,5 +28,5 @@ HELD = "HELD"
 
 ITERATION = "iteration"  # the member's own iteration count (training_iteration once resumed)
 
-ALL = (MEMBER, BUCKET, SLOT, BUCKET_ITERATION, ROUTE, LIVE, CAPACITY, SEED, COMPACTIONS, AHEAD, WASTED, DECISION,
+ALL = (MEMBER, BUCKET, SLOT, BUCKET_ITERATION, ROUTE, LIVE, CAPACITY, CAPACITY_FIT, OOM_RECOVERIES, SEED, COMPACTIONS, AHEAD, WASTED, DECISION,
        COHORT_SIZE, COHORT_RANK, RETIRED, ROUTE_REASON)

@@ -160,7 +160,8 @@ class ChorusSearch(ConcurrencyLimiter):
         self._trainable = _trainable_class(task)
         options = self._trainable.bucket_options() if self._trainable is not None else None
         self._options = options
-        self.bucket_size = bucket_size or (options.bucket_size if options else 16)
+        self._bucket_size_given = bucket_size
+        self.bucket_size = bucket_size or (options.expected_size if options else 16)
         self.max_buckets = max_buckets if max_buckets is not None else (options.max_buckets if options else None)
         if max_iterations is not None and max_iterations < 1:
             raise ValueError(f"max_iterations must be positive; got {max_iterations}")
@@ -322,6 +323,20 @@ class ChorusSearch(ConcurrencyLimiter):
         if ray.get(pool.seat.remote(*args)) == NEED_TASK:
             args[2] = trainable._task_blob
             ray.get(pool.seat.remote(*args))
+        if self._options.auto and self._bucket_size_given is None:
+            self._learn_bucket_size(pool, seats[0][1])
+
+    def _learn_bucket_size(self, pool: Any, config: Dict) -> None:
+        # An "auto" size is measured when the first members are seated; look
+        # far enough ahead to fill buckets of the size measured, not guessed.
+        try:
+            size = ray.get(pool.bucket_size_for.remote(self._trainable._task_id, self._options, config))
+        except Exception:  # noqa: BLE001 - the seated members carry the error to their trials
+            return
+        if size != self.bucket_size:
+            self.bucket_size = size
+            if self._lookahead_given is None:
+                self._size_for_cluster()
 
     def _bind(self, trial_id: str) -> str:
         candidates = self.unbound

@@ -47,7 +47,8 @@ class ChorusTrainable(Trainable):
     ``resources_per_bucket``, ``route``, ``run_ahead``, ``max_iterations``,
     ``ahead_memory_mb``, ``gather_s``, ``result_timeout_s``,
     ``reap_interval_s``, ``idle_close_s``, ``max_buckets``, ``compact``,
-    ``compact_after_s``.
+    ``compact_after_s``, ``max_bucket_size``, ``memory_fraction``,
+    ``memory_meter`` (``bucket_size="auto"``: see :class:`BucketOptions`).
 
     Every result carries the member's metrics (``train_loss``, ``val_loss``,
     ``val_accuracy``, ``iteration``) and the ``chorus/*`` fields of
@@ -61,7 +62,7 @@ class ChorusTrainable(Trainable):
 
     task: Any = None
     # Defaults come from BucketOptions, the one place that defines them.
-    bucket_size: int = BucketOptions.bucket_size
+    bucket_size: int | str = BucketOptions.bucket_size
     resources_per_bucket: dict | None = None
     route: str = BucketOptions.route
     run_ahead: int = BucketOptions.run_ahead
@@ -74,6 +75,9 @@ class ChorusTrainable(Trainable):
     max_buckets: int | None = BucketOptions.max_buckets
     compact: bool = BucketOptions.compact
     compact_after_s: float = BucketOptions.compact_after_s
+    max_bucket_size: int | None = BucketOptions.max_bucket_size
+    memory_fraction: float = BucketOptions.memory_fraction
+    memory_meter: Any = None
 
     _task_blob: bytes | None = None
     _factory_blob: bytes | None = None
@@ -89,7 +93,7 @@ class ChorusTrainable(Trainable):
             cls._task_id = task_id(cls._task_blob)
 
     @classmethod
-    def for_task(cls, task: Any, bucket_size: int = 16, name: str = "ChorusTrainable",
+    def for_task(cls, task: Any, bucket_size: int | str = 16, name: str = "ChorusTrainable",
                  **options: Any) -> type["ChorusTrainable"]:
         """A ChorusTrainable class for ``task`` (a :class:`chorus_tune.Task`)."""
         unknown = set(options) - set(BucketOptions.__dataclass_fields__) - {"resources_per_bucket"}
@@ -117,11 +121,12 @@ class ChorusTrainable(Trainable):
         if ray.is_initialized():
             cluster = ray.cluster_resources()
             per_bucket = cls.resources_per_bucket or default_bucket_resources(cluster)
+            size = cls.bucket_options().expected_size
             if cls.max_buckets is not None:
-                slots = cls.bucket_size * cls.max_buckets
+                slots = size * cls.max_buckets
                 token = max(1e-4, round(cluster.get("CPU", 1) / slots - 5e-5, 4))
             else:
-                token = trial_token_cpu(cluster, per_bucket, cls.bucket_size)
+                token = trial_token_cpu(cluster, per_bucket, size)
         return PlacementGroupFactory([{"CPU": token}])
 
     # ----- Trainable API --------------------------------------------------------------------------
