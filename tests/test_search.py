@@ -166,3 +166,17 @@ def test_state_leaves_the_trainable_and_inner_searcher_out():
     state = s.get_state()
     assert "_trainable" not in state and "searcher" not in state
     pickle.dumps(state)
+
+
+def test_with_a_random_state_member_seeds_follow_the_draw_order_not_the_random_ids():
+    from chorus_tune.tune.options import member_seed
+
+    first, second = ChorusSearch(random_state=3), ChorusSearch(random_state=3)
+    other = ChorusSearch(random_state=4)
+
+    def seeds(search):
+        return [member_seed({}, search._seed_name(f"{search._prefix}{i:05d}")) for i in range(4)]
+
+    assert first._prefix != second._prefix  # ids stay unique among searches sharing a pool
+    assert seeds(first) == seeds(second) and seeds(first) != seeds(other)
+    assert len(set(seeds(first))) == 4

@@ -174,7 +174,10 @@ class ChorusSearch(ConcurrencyLimiter):
         self.max_iterations = max_iterations
         self._lookahead_given = lookahead
         self.lookahead = max(1, lookahead) if lookahead is not None else 2 * self.bucket_size
-        self._prefix = f"chorus_{uuid.uuid4().hex[:6]}_"
+        self._prefix = f"chorus_{uuid.uuid4().hex[:6]}_"  # unique among searches sharing a pool
+        # Member seeds follow the draw order, not the random prefix: with a
+        # random_state the same sweep gets the same seeds, run after run.
+        self._seed_base = None if random_state is None else f"chorus-seed-{random_state}-"
         self._pulled = 0                 # suggestions taken from the inner searcher
         self._budget: Optional[int] = None  # num_samples: never pull more
         self._exhausted = False          # the inner searcher said FINISHED
@@ -318,7 +321,7 @@ class ChorusSearch(ConcurrencyLimiter):
             clean = {k: v for k, v in config.items() if not k.startswith("__")}
             # The seed is fixed now, before any trial exists: chorus/seed reports
             # it, and reference.train(task, config, seed) replays the member.
-            seats.append((item_id, clean, member_seed(clean, item_id)))
+            seats.append((item_id, clean, member_seed(clean, self._seed_name(item_id))))
         args = [seats, trainable._task_id, None, self._options, self._plan()]
         if ray.get(pool.seat.remote(*args)) == NEED_TASK:
             args[2] = trainable._task_blob
@@ -337,6 +340,12 @@ class ChorusSearch(ConcurrencyLimiter):
             self.bucket_size = size
             if self._lookahead_given is None:
                 self._size_for_cluster()
+
+    def _seed_name(self, item_id: str) -> str:
+        """What a member's default seed derives from (its config's ``seed`` wins)."""
+        if self._seed_base is None:
+            return item_id
+        return self._seed_base + item_id[len(self._prefix):]
 
     def _bind(self, trial_id: str) -> str:
         candidates = self.unbound
