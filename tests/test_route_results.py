@@ -1,4 +1,5 @@
-"""Every result says why its bucket runs the route it runs (``chorus/route_reason``)."""
+"""Every result says why its bucket runs the route it runs (``chorus/route_reason``), and the
+bucket's description holds the route report, with the probe's timings."""
 from __future__ import annotations
 
 import asyncio
@@ -18,9 +19,10 @@ def test_every_result_carries_the_route_reason(route, reason):
         bucket = make_bucket(2, route=route)
         await seat(bucket, "ab", Plan(budget=2, bucket_decides=True))
         results = [await bucket.next_result(m) for m in "abab"]
-        return results, bucket.core.route_report()
+        return results, (await bucket.describe())["route_report"]
 
     results, report = asyncio.run(scenario())
     assert report["reason"] == reason.value
+    assert set(report["seconds"]) == ({"eager", "vmap"} if route == "auto" else set())
     for result in results:
         assert result[rk.ROUTE_REASON] == reason.value and result[rk.ROUTE] == report["route"]
