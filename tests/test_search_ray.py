@@ -168,3 +168,32 @@ def test_a_member_that_left_is_seated_again_afresh():
     name, bucket = ray.get(pool.await_placement.remote("m-fresh"))
     assert ray.get(bucket.next_result.remote("m-fresh"), timeout=60)["iteration"] == 1
     ray.get(pool.leave.remote("m-fresh"))
+
+
+@ray.remote(num_cpus=0)
+class _TrialActor:
+    """Stands in for a trial actor that dies before its first result."""
+
+
+def test_a_seated_member_whose_trial_actor_dies_before_reading_is_reaped():
+    import time
+
+    from chorus_tune.tune import ChorusTrainable
+    from chorus_tune.tune.pool import get_pool
+    from tune_support import digits_task
+
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1, reap_interval_s=0.2)
+    pool = get_pool(create=True)
+    _seat_one(pool, trainable, "m-orphan", 0.1)
+    ray.get(pool.await_placement.remote("m-orphan"))
+    ray.get(pool.bind.remote("trial-orphan", ["m-orphan"]))
+    actor = _TrialActor.remote()
+    ray.get(actor.__ray_ready__.remote())
+    ray.get(pool.reserve.remote("trial-orphan", trainable._task_id, None, {"lr": 0.1},
+                                trainable.bucket_options(), actor))
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while ray.get(pool.bucket_of.remote("m-orphan")) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.get(pool.bucket_of.remote("m-orphan")) is None
+    assert any("m-orphan" in s["reaped"] for s in ray.get(pool.stats.remote()).values())

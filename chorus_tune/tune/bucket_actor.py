@@ -176,6 +176,15 @@ class ChorusBucket:
             self._start_build(member, join)
         return self.name
 
+    async def watch(self, member: str, client: Any) -> None:
+        """``client`` (a trial actor) reads ``member`` now: if it dies, the
+        reaper drops the member. The pool says so when a trial is bound to a
+        member seated before it, which it may never read (its actor can die
+        first), so the member would hold its slot for good."""
+        record = self.book.get(member)
+        if record is not None and record.phase is not Phase.LEFT and client is not None:
+            self.clients[member] = client
+
     def _start_build(self, member: str, join: Join) -> asyncio.Task:
         self.book.get(member).building = True
         task = asyncio.get_running_loop().create_task(self._build(member, join))

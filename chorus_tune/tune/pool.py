@@ -101,6 +101,7 @@ class ChorusPool:
         self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
         self._closing: set[str] = set()
+        self._idle: set[str] = set()  # empty buckets waiting to be drained before they close
         self._unplaced: dict[str, BaseException] = {}  # members whose placement failed: why
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
         self._started = False
@@ -226,6 +227,12 @@ class ChorusPool:
                 raise self.failed[member]
             seat = self.seats[member]
             name = self.homes.get(member)
+            # Its bucket watches this trial's actor from now on, not only once
+            # it first reads: an actor that dies before would leave the member
+            # holding its slot for good.
+            self.clients[member] = client
+            if name in self.handles and client is not None:
+                self.handles[name].watch.remote(member, client)
             return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, self._tokens)
         self.reading[trial_id] = (trial_id, self._tokens)
         key = self._key(task_id_, options, config)
@@ -457,12 +464,38 @@ class ChorusPool:
         if record is None:
             return
         await asyncio.sleep(record.key.options.idle_close_s)
-        record = self.placement.buckets.get(name)
-        if record is not None and not record.members:
-            _, update = self.placement.close(name)
-            await self._apply(update)
-            self._share_cores()
-            await self._close_when_drained(name)
+        if name in self._idle:
+            return
+        # Until its members' trials have read every result, the bucket's actor
+        # lives and holds its resources (its GPU), so it stays in the placement:
+        # counted against the budget, and open to a member of its key. Freed
+        # before, its budget opened a bucket that could not start, and the
+        # trials waiting for that one kept this one's readers from running (seen
+        # when a lost node's trials restarted: the sweep hung).
+        self._idle.add(name)
+        try:
+            while True:
+                record = self.placement.buckets.get(name)
+                if record is None or record.members:
+                    return  # its budget went to another key (that closes it), or it was refilled
+                if await self._drained(name):
+                    break
+                await asyncio.sleep(_DRAIN_POLL_S)
+        finally:
+            self._idle.discard(name)
+        _, update = self.placement.close(name)
+        await self._apply(update)
+        self._share_cores()
+        await self._close_when_drained(name)
+
+    async def _drained(self, name: str) -> bool:
+        handle = self.handles.get(name)
+        if handle is None:
+            return True
+        try:
+            return await handle.drained.remote()
+        except RayActorError:
+            return True
 
     async def _close_when_drained(self, name: str) -> None:
         # A bucket whose slots are empty may still hold results its members'
@@ -537,6 +570,9 @@ class ChorusPool:
             self.history[name].update(closed=True, died=died, lost=lost)
         if self.placement is None or name not in self.placement.buckets:
             return
+        # A bucket dies with its node, and the node's resources go with it: the
+        # budget must not open buckets the cluster no longer holds.
+        self.placement.max_buckets = self._budget(self.placement.buckets[name].key.options)
         _, update = self.placement.close(name)
         await self._apply(update)
         self._share_cores()
@@ -580,7 +616,9 @@ class ChorusPool:
             entry = {**info, "trials": list(info["trials"]), "reaped": list(info.get("reaped", [])),
                      "members": list(record.members) if record else []}
             handle = self.handles.get(name)
-            if handle is not None:
+            # Only a bucket that started answers: one waiting for resources
+            # (a GPU another bucket holds) would hold up the stats until then.
+            if handle is not None and "node_id" in info:
                 try:
                     live = await handle.describe.remote()
                     entry.update({k: live[k] for k in ("node_id", "wasted", "iterations", "route", "max_queue")})
