@@ -80,3 +80,13 @@ def test_the_probe_gives_each_member_its_own_batch_when_training_does():
     for k, order in zip(slots, orders):
         assert bucket.members[k].order.pos == order["pos"]
         assert torch.equal(x[k], bucket._train.tensors[0][bucket.members[k].order.take(1)[0]])
+
+
+def test_the_tune_options_accept_exactly_the_cores_routes():
+    from chorus_tune.route import ROUTES
+    from chorus_tune.tune.options import BucketOptions
+
+    for route in ROUTES:
+        assert BucketOptions(route=route).route == route
+    with pytest.raises(ValueError, match="route must be"):
+        BucketOptions(route="fast")
