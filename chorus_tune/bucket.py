@@ -423,8 +423,9 @@ class Bucket:
 
     def _gathers(self, group: list[int], route: str | None) -> bool:
         """Whether ``group`` runs vmap'd over its own rows only. Once memory has
-        run short, yes: ``MemberStack.vmap_call`` runs every row of the stack
-        (masked ones included), so a smaller group would need as much memory."""
+        run short, yes: a full-stack vmap call (``MemberStack.call`` without
+        ``gather``) runs every row of the stack, masked ones included, so a
+        smaller group would need as much memory."""
         return self.max_group is not None and route in _STACK_ROUTES and len(group) < self.capacity
 
     def _rows_touched(self, group: list[int], gather: bool) -> list[int] | None:

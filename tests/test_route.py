@@ -90,3 +90,16 @@ def test_the_tune_options_accept_exactly_the_cores_routes():
         assert BucketOptions(route=route).route == route
     with pytest.raises(ValueError, match="route must be"):
         BucketOptions(route="fast")
+
+
+def test_the_probe_compares_in_full_float32_and_gives_the_users_math_modes_back():
+    from chorus_tune.route import same_math_mode
+
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # a user who chose TF32
+    try:
+        with same_math_mode():
+            assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
