@@ -493,7 +493,9 @@ class ChorusBucket:
                     if member in self._waiters or client is None:
                         continue  # a trial waiting for its result is alive
                     if await self._client_dead(client) and self.clients.get(member) is client:
-                        logger.warning("%s: reaping %s: its trial actor died", self.name, member)
+                        # Also after a normal stop: Tune ends the actor, and its
+                        # trial's leave may reach us after the reaper looked.
+                        logger.info("%s: dropping %s: the trial actor reading it is gone", self.name, member)
                         self.reaped.append(member)
                         await self.leave(member, keep_state=False)
                         self._notify_pool(member, "reaped")

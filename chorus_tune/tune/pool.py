@@ -106,6 +106,10 @@ class ChorusPool:
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
         self._started = False
 
+    def __repr__(self) -> str:
+        # The dashboard's Actors page shows this (captured once, at creation).
+        return f"ChorusPool(job {self.job_id})"
+
     def _start(self) -> None:
         if not self._started:
             self._started = True
