@@ -3,7 +3,15 @@
 (a) plain   Ray Tune as a user runs it today: a function trainable training one
             model with ``chorus_tune.reference`` (stock ``torch.optim``),
             ``reuse_actors=True``, stock ``ASHAScheduler``, one CPU per trial
-            (so every core runs a trial; plus a GPU fraction per trial on CUDA).
+            (so every core runs a trial). On CUDA, as GPU users run it:
+            ``tune.with_resources(train_fn, {"cpu": 1, "gpu": f})`` with
+            ``--gpu-fraction f`` (1/8, 1/16), so 1/f trials share the card; on a
+            CPU the same fraction of the machine's cores instead.
+            The data: workloads made on the device (``workloads.SIZED``) are
+            made once per trial process, where it trains, and kept across the
+            trials that process serves; the others are built once by the
+            driver and reach every trial through the object store
+            (``tune.with_parameters``).
 (b) chorus  ``ChorusTrainable`` + ``ChorusSearch`` + ``ChorusASHA``, same
             configs, seeds, epochs and ASHA settings.
 (c) fused   the core's ``Bucket`` over the same members with no Ray at all,
@@ -15,11 +23,15 @@
 All three run one after another in one invocation, repeated and interleaved
 (a, b, c, a, b, c, ...), so a drifting machine load hits all alike. Printed and
 written (JSON, PNG): median wall time, trials per minute, best final
-``val_accuracy``, and the ratios (a)/(b) and (b)/(c).
+``val_accuracy``, and the ratios (a)/(b) and (b)/(c). The JSON is rewritten
+after every run, so a run cut short keeps what finished. ``--way-budget-s``
+gives each ``Tuner.fit`` Tune's ``time_budget_s``: a way that hits it is
+marked ``budget_hit`` (its time is then a lower bound).
 
     .venv/bin/python benchmarks/vs_tune.py --workload synth-mlp64 --trials 32 --epochs 10 --bucket-size 16
     .venv/bin/python benchmarks/vs_tune.py --workload synth-mlp64,synth-mlp256 --bucket-size 8,16,32  # a matrix
-    .venv/bin/python benchmarks/vs_tune.py --device cuda --workload cifar-cnn --trials 16 --epochs 3  # on a GPU
+    python3 benchmarks/vs_tune.py --device cuda --workload cifar-cnn3 --trials 64 --epochs 2 \
+        --scheduler fifo,asha --ways plain,chorus --gpu-fraction 0.125 --repeats 1   # on a GPU (gpu_check.sh)
 """
 from __future__ import annotations
 
@@ -53,6 +65,7 @@ class Outcome:
     trials: int
     best: float
     reached_max_t: int
+    budget_hit: bool = False
 
     @property
     def trials_per_min(self) -> float:
@@ -89,30 +102,49 @@ def best_final(results, max_t: int) -> tuple[float, int]:
     return best, sum(1 for m in finals if m.get("training_iteration") == max_t)
 
 
+def plain_resources(args) -> dict:
+    """(a)'s request per trial: one CPU, or with ``--gpu-fraction f`` a fraction f of the
+    card (and one CPU) on CUDA, f of the machine's cores on a CPU."""
+    if args.gpu_fraction is None:
+        return {"cpu": 1, "gpu": 1.0 / 16} if args.device == "cuda" else {"cpu": 1}
+    if args.device == "cuda":
+        return {"cpu": 1, "gpu": args.gpu_fraction}
+    return {"cpu": round(max(0.01, args.gpu_fraction * (os.cpu_count() or 1)), 4)}
+
+
 def run_plain(task: ct.Task, space: dict, args) -> Outcome:
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
     device = args.device
     threads = 1
+    epochs = args.epochs
+    per_process = args.workload in workloads.SIZED
 
     def train_one(config: dict, task: ct.Task = None) -> None:
         torch.set_num_threads(threads)
+        if per_process:
+            # Made on this process's device once, kept for every trial it serves.
+            cache = workloads.process_cache()
+            key = getattr(task.data, "__qualname__", repr(task.data))
+            if key not in cache:
+                cache[key] = task.load_data()
+            task._loaded = cache[key]
         run = ReferenceRun(task, config, device=device)
-        for _ in range(args.epochs):
+        for _ in range(epochs):
             metrics = run.run_iteration()
             tune.report({k: v for k, v in metrics.items() if k != "route"})
 
-    resources = {"cpu": 1}
-    if device == "cuda":
-        resources["gpu"] = 1.0 / args.gpu_trials
-    # The data is built once, here, and reaches every trial through the object
-    # store (tune.with_parameters), as a careful Tune user ships a dataset.
-    task = dataclasses.replace(task, data=task.data() if callable(task.data) else task.data)
+    resources = plain_resources(args)
+    if not per_process:
+        # The data is built once, here, and reaches every trial through the object
+        # store (tune.with_parameters), as a careful Tune user ships a dataset.
+        task = dataclasses.replace(task, data=task.data() if callable(task.data) else task.data)
     trainable = tune.with_resources(tune.with_parameters(train_one, task=task), resources)
     scheduler = (ASHAScheduler(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor)
                  if args.scheduler == "asha" else None)
-    tune_config = tune.TuneConfig(metric=METRIC, mode=MODE, reuse_actors=True, scheduler=scheduler)
+    tune_config = tune.TuneConfig(metric=METRIC, mode=MODE, reuse_actors=True, scheduler=scheduler,
+                                  time_budget_s=args.way_budget_s)
     return fit_timed("plain", trainable, tune_config, space, args)
 
 
@@ -129,7 +161,8 @@ def fit_timed(way: str, trainable, tune_config, space: dict, args) -> Outcome:
         results = tuner.fit()
     wall = time.perf_counter() - start
     best, reached = best_final(results, args.epochs)
-    return Outcome(way, wall, len(results), best, reached)
+    hit = args.way_budget_s is not None and wall >= args.way_budget_s
+    return Outcome(way, wall, len(results), best, reached, hit)
 
 
 def run_chorus(task: ct.Task, space: dict, args, lockstep: bool = False) -> Outcome:
@@ -152,7 +185,8 @@ def run_chorus(task: ct.Task, space: dict, args, lockstep: bool = False) -> Outc
         metric=METRIC, mode=MODE, search_alg=search, num_samples=args.trials,
         reuse_actors=True,  # as (a): a pruned trial's actor serves the next trial
         scheduler=(ChorusASHA(max_t=args.epochs, grace_period=1, reduction_factor=args.reduction_factor)
-                   if args.scheduler == "asha" else None))
+                   if args.scheduler == "asha" else None),
+        time_budget_s=args.way_budget_s)
     return fit_timed("lockstep" if lockstep else "chorus", trainable, tune_config, space, args)
 
 
@@ -160,22 +194,23 @@ def run_lockstep(task: ct.Task, space: dict, args) -> Outcome:
     return run_chorus(task, space, args, lockstep=True)
 
 
-def make_task(workload: str, batch_size: int) -> ct.Task:
+def make_task(workload: str, batch_size: int, n_train: int | None = None, n_val: int | None = None) -> ct.Task:
     """The task of a named workload. Its data stays a callable: each bucket (and each
     (c) process) builds it once, so it never travels inside the trainable class to
-    every trial actor."""
-    model_factory, data_factory = workloads.WORKLOADS[workload]
-    return ct.Task(model_factory(), data_factory, optimizer="sgd", batch_size=batch_size)
+    every trial actor. ``n_train``/``n_val`` size the workloads in ``workloads.SIZED``."""
+    model, data = workloads.workload(workload, n_train, n_val)
+    return ct.Task(model, data, optimizer="sgd", batch_size=batch_size)
 
 
 def fused_block(workload: str, batch_size: int, device: str, configs: list[dict], epochs: int,
-                rungs: set, reduction_factor: float) -> tuple[float, int]:
+                rungs: set, reduction_factor: float, n_train: int | None = None,
+                n_val: int | None = None) -> tuple[float, int]:
     """(c) for one bucket's worth of configs: the best final metric and how many reached the end."""
     if device == "cpu":
         torch.set_num_threads(1)  # as a bucket actor on a CPU-only cluster: one core each
     from chorus_tune.tune.halving import select_survivors
 
-    bucket = ct.Bucket(make_task(workload, batch_size), len(configs), device=device)
+    bucket = ct.Bucket(make_task(workload, batch_size, n_train, n_val), len(configs), device=device)
     for config in configs:
         bucket.add(config)
     for epoch in range(1, epochs + 1):
@@ -208,8 +243,8 @@ def run_fused(task: ct.Task, space: dict, args) -> Outcome:
     rungs = set(rung_milestones(1, args.epochs, args.reduction_factor)) if args.scheduler == "asha" else set()
     configs = configs_of(space)
     blocks = [configs[i:i + args.bucket_size] for i in range(0, len(configs), args.bucket_size)]
-    jobs = [(args.workload, args.batch_size, args.device, block, args.epochs, rungs, args.reduction_factor)
-            for block in blocks]
+    jobs = [(args.workload, args.batch_size, args.device, block, args.epochs, rungs, args.reduction_factor,
+             args.n_train, args.n_val) for block in blocks]
     parallel = fused_parallelism(args)
     start = time.perf_counter()
     if parallel == 1:
@@ -228,10 +263,13 @@ def run_fused(task: ct.Task, space: dict, args) -> Outcome:
     return Outcome("fused", wall, len(configs), max(finals, default=float("nan")), sum(n for _, n in outcomes))
 
 
-def plot(rows: list[dict], path: str) -> None:
-    """One group of bars (plain, chorus, fused median wall time) per workload and bucket size."""
-    import matplotlib
-
+def plot(rows: list[dict], path: str) -> bool:
+    """One group of bars (each way's median wall time) per row; False where matplotlib
+    is missing (the GPU machine's stock image has none: the JSON holds everything)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -241,79 +279,137 @@ def plot(rows: list[dict], path: str) -> None:
     fig, ax = plt.subplots(figsize=(max(6, 1.4 * len(rows)), 3.8))
     for j, way in enumerate(ways):
         xs = [i + (j - (len(ways) - 1) / 2) * width for i in range(len(rows))]
-        ax.bar(xs, [row["median_wall_s"][way] for row in rows], width, label=way, color=colors[way])
+        ax.bar(xs, [row["median_wall_s"].get(way, 0.0) for row in rows], width, label=way, color=colors[way])
     ax.set_xticks(range(len(rows)))
-    ax.set_xticklabels([f"{row['workload']}\nbucket {row['bucket_size']}" for row in rows], fontsize=7)
+    ax.set_xticklabels([f"{row['workload']}\nbucket {row['bucket_size']}\n{row['scheduler']} {row['epochs']}"
+                        for row in rows], fontsize=7)
     ax.set_ylabel("wall time, s (median)")
-    ax.set_title(f"{rows[0]['trials']} trials x {rows[0]['epochs']} epochs, {rows[0]['scheduler']}, "
-                 f"{rows[0]['machine']}", fontsize=9)
+    ax.set_title(f"{rows[0]['trials']} trials, {rows[0]['machine']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
 
 
-def measure(workload: str, bucket_size: int, args) -> dict:
-    """Every way on one workload and bucket size, repeated and interleaved; the summary row."""
-    task = make_task(workload, args.batch_size)
+def summarise(row: dict, outcomes: dict[str, list[Outcome]]) -> dict:
+    """The row's medians, bests and ratios from the runs so far."""
+    done = {w: outs for w, outs in outcomes.items() if outs}
+    median = {w: statistics.median(o.wall_s for o in outs) for w, outs in done.items()}
+    row.update(
+        median_wall_s=median,
+        trials_per_min={w: 60.0 * row["trials"] / s for w, s in median.items()},
+        best={w: max(o.best for o in outs) for w, outs in done.items()},
+        budget_hit={w: any(o.budget_hit for o in outs) for w, outs in done.items()},
+        runs={w: [asdict(o) for o in outs] for w, outs in done.items()},
+    )
+    for key, (a, b) in {"plain_over_chorus": ("plain", "chorus"), "chorus_over_fused": ("chorus", "fused"),
+                        "plain_over_lockstep": ("plain", "lockstep")}.items():
+        if a in median and b in median:
+            row[key] = median[a] / median[b]
+    if "plain" in row["best"] and "chorus" in row["best"]:
+        row["best_plain_minus_chorus"] = row["best"]["plain"] - row["best"]["chorus"]
+    return row
+
+
+def measure(workload: str, bucket_size: int, scheduler: str, args, saved=lambda row: None) -> dict:
+    """Every way on one workload, bucket size and scheduler, repeated and interleaved;
+    the summary row. ``saved(row)`` is called with the row so far after every run."""
+    epochs = args.asha_epochs if scheduler == "asha" and args.asha_epochs else args.epochs
+    args = argparse.Namespace(**{**vars(args), "workload": workload, "bucket_size": bucket_size,
+                                 "scheduler": scheduler, "epochs": epochs})
+    task = make_task(workload, args.batch_size, args.n_train, args.n_val)
     space = sweep(args.trials)
-    args = argparse.Namespace(**{**vars(args), "workload": workload, "bucket_size": bucket_size})
     runners = {"plain": run_plain, "chorus": run_chorus, "lockstep": run_lockstep, "fused": run_fused}
     ways = args.ways.split(",")
     outcomes: dict[str, list[Outcome]] = {w: [] for w in ways}
-    print(f"{workload}, bucket {bucket_size}:", flush=True)
+    row = {"workload": workload, "bucket_size": bucket_size, "max_buckets": args.max_buckets,
+           "trials": args.trials, "epochs": epochs, "scheduler": scheduler, "batch_size": args.batch_size,
+           "n_train": args.n_train, "n_val": args.n_val,
+           "plain_resources": plain_resources(args) if "plain" in ways else None}
+    print(f"{workload}, bucket {bucket_size}, {scheduler} {epochs} epochs:", flush=True)
     for r in range(args.repeats):
         for way in ways:
             outcome = runners[way](task, space, args)
             outcomes[way].append(outcome)
             print(f"  repeat {r + 1} {way:7} {outcome.wall_s:7.1f} s  {outcome.trials_per_min:7.1f} trials/min  "
-                  f"best {METRIC}={outcome.best:.4f}  reached max_t: {outcome.reached_max_t}", flush=True)
-    median = {w: statistics.median(o.wall_s for o in outs) for w, outs in outcomes.items()}
-    row = {
-        "workload": workload, "bucket_size": bucket_size, "max_buckets": args.max_buckets,
-        "trials": args.trials, "epochs": args.epochs, "scheduler": args.scheduler,
-        "median_wall_s": median,
-        "trials_per_min": {w: 60.0 * args.trials / s for w, s in median.items()},
-        "best": {w: max(o.best for o in outs) for w, outs in outcomes.items()},
-        "runs": {w: [asdict(o) for o in outs] for w, outs in outcomes.items()},
-    }
-    if "plain" in median and "chorus" in median:
-        row["plain_over_chorus"] = median["plain"] / median["chorus"]
-    if "chorus" in median and "fused" in median:
-        row["chorus_over_fused"] = median["chorus"] / median["fused"]
-    if "plain" in median and "lockstep" in median:
-        row["plain_over_lockstep"] = median["plain"] / median["lockstep"]
-    return row
+                  f"best {METRIC}={outcome.best:.4f}  reached max_t: {outcome.reached_max_t}"
+                  + ("  (hit the time budget)" if outcome.budget_hit else ""), flush=True)
+            saved(summarise(row, outcomes))
+    return summarise(row, outcomes)
 
 
 def print_table(rows: list[dict]) -> None:
     ways = list(rows[0]["median_wall_s"])
-    head = f"{'workload':14} {'bucket':>6} " + " ".join(f"{w + ' s':>9} {'best':>6}" for w in ways)
+    head = f"{'workload':14} {'sched':>5} {'ep':>3} {'bucket':>6} " + " ".join(f"{w + ' s':>9} {'best':>6}" for w in ways)
     print(head + f" {'(a)/(b)':>8} {'(b)/(c)':>8} {'(a)/(b0)':>8}")
     for row in rows:
-        cells = " ".join(f"{row['median_wall_s'][w]:9.1f} {row['best'][w]:6.3f}" for w in ways)
+        cells = " ".join(f"{row['median_wall_s'][w]:9.1f}{'+' if row['budget_hit'][w] else ' '}{row['best'][w]:6.3f}"
+                         for w in ways)
         ratios = " ".join(f"{row[k]:7.2f}x" if k in row else f"{'-':>8}"
                           for k in ("plain_over_chorus", "chorus_over_fused", "plain_over_lockstep"))
-        print(f"{row['workload']:14} {row['bucket_size']:6d} {cells} {ratios}")
+        print(f"{row['workload']:14} {row['scheduler']:>5} {row['epochs']:3d} {row['bucket_size']:6d} {cells} {ratios}")
+    if any(any(row["budget_hit"].values()) for row in rows):
+        print("+: that way hit --way-budget-s; its time is a lower bound")
+
+
+def gpu_driver() -> str | None:
+    """The NVIDIA driver's version (nvidia-smi), or None."""
+    import subprocess
+
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip().splitlines()[0] if done.returncode == 0 and done.stdout.strip() else None
+
+
+def environment(device: str) -> dict:
+    """What ran it: machine, card, driver, Python, torch (and its CUDA), Ray."""
+    import ray
+
+    cuda = device == "cuda" and torch.cuda.is_available()
+    card = torch.cuda.get_device_name(0) if cuda else None
+    return {"machine": f"{platform.machine()} {os.cpu_count()} CPUs" + (f", {card}" if card else ""),
+            "device": device, "device_name": card, "driver": gpu_driver() if cuda else None,
+            "python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda,
+            "ray": ray.__version__}
+
+
+def write_json(path: str, summary: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(summary, fh, indent=2)
+    os.replace(tmp, path)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workload", default="synth-mlp64",
                         help=f"one or more, comma-separated, of: {', '.join(sorted(workloads.WORKLOADS))}")
+    parser.add_argument("--n-train", type=int, default=None, help=f"train rows of {sorted(workloads.SIZED)} (50k)")
+    parser.add_argument("--n-val", type=int, default=None, help="validation rows of the same (10k)")
     parser.add_argument("--trials", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=10)
+    parser.add_argument("--asha-epochs", type=int, default=None, help="max_t under asha (default: --epochs)")
     parser.add_argument("--bucket-size", default="16", help="one or more, comma-separated")
     parser.add_argument("--max-buckets", type=int, default=None,
                         help="(b): buckets at once (default: as many as the resources hold)")
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--scheduler", default="asha", choices=("asha", "fifo"),
-                        help="asha: ASHA (grace 1) in (a), ChorusASHA in (b), cohort halving in (c)")
+    parser.add_argument("--scheduler", default="asha",
+                        help="asha and/or fifo, comma-separated. asha: ASHA (grace 1) in (a), ChorusASHA in (b), "
+                             "cohort halving in (c)")
     parser.add_argument("--reduction-factor", type=float, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--ways", default="plain,chorus,lockstep,fused",
                         help="plain (a), chorus (b), lockstep (b0: run_ahead=0), fused (c)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--gpu-trials", type=int, default=16, help="(a) on CUDA: trials sharing the GPU")
+    parser.add_argument("--gpu-fraction", type=float, default=None,
+                        help="(a): each trial's share of the card on CUDA (default 1/16), of the cores on a CPU "
+                             "(default: one core each)")
+    parser.add_argument("--way-budget-s", type=float, default=None,
+                        help="Tune's time_budget_s for every fit (a fit that hits it is marked)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--name", default=None, help="file stem for the JSON and PNG (default: from the arguments)")
     args = parser.parse_args()
@@ -321,32 +417,47 @@ def main() -> None:
     unknown = sorted(set(names) - set(workloads.WORKLOADS))
     if unknown:
         parser.error(f"unknown workload(s) {unknown}; choose from {sorted(workloads.WORKLOADS)}")
+    if (args.n_train or args.n_val) and set(names) - set(workloads.SIZED):
+        parser.error(f"--n-train/--n-val size only {sorted(workloads.SIZED)}")
+    schedulers = args.scheduler.split(",")
+    if set(schedulers) - {"asha", "fifo"}:
+        parser.error("--scheduler takes asha, fifo or both (comma-separated)")
+    if args.gpu_fraction is not None and not 0 < args.gpu_fraction <= 1:
+        parser.error("--gpu-fraction must be in (0, 1]")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but torch sees no CUDA device")
     sizes = [int(b) for b in args.bucket_size.split(",")]
 
     import ray
 
-    ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
-    machine = (f"{platform.machine()} {os.cpu_count()} CPUs"
-               + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""))
-    print(f"{args.trials} trials x {args.epochs} epochs, {args.scheduler} (rf={args.reduction_factor}), "
-          f"device={args.device}, machine: {machine}, torch {torch.__version__}, ray {ray.__version__}", flush=True)
-    rows = []
-    for name in names:
-        for size in sizes:
-            row = measure(name, size, args)
-            row.update(device=args.device, machine=machine)
-            rows.append(row)
-    ray.shutdown()
-    print_table(rows)
+    ray.init(address=os.environ.get("RAY_ADDRESS", "local"),  # a Ray of its own, not one left running
+             include_dashboard=False, configure_logging=False, log_to_driver=False)
+    env = environment(args.device)
+    machine = env["machine"]
+    print(f"{args.trials} trials, {'+'.join(schedulers)} (rf={args.reduction_factor}), device={args.device}, "
+          f"machine: {machine}, driver {env['driver']}, python {env['python']}, torch {env['torch']}, "
+          f"ray {env['ray']}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name or (
-        f"vs_tune-{'+'.join(names)}-t{args.trials}-e{args.epochs}-b{'+'.join(map(str, sizes))}-{args.scheduler}"))
-    summary = {"machine": machine, "device": args.device, "torch": torch.__version__, "ray": ray.__version__,
-               "args": vars(args), "rows": rows}
-    with open(stem + ".json", "w") as fh:
-        json.dump(summary, fh, indent=2)
-    plot(rows, stem + ".png")
-    print(f"wrote {stem}.json and {stem}.png")
+        f"vs_tune-{'+'.join(names)}-t{args.trials}-e{args.epochs}-b{'+'.join(map(str, sizes))}-"
+        f"{'+'.join(schedulers)}"))
+    rows: list[dict] = []
+
+    def save(partial: dict | None = None) -> None:
+        done = rows + ([dict(partial, device=args.device, machine=machine)] if partial else [])
+        complete = partial is None and len(rows) == len(schedulers) * len(names) * len(sizes)
+        write_json(stem + ".json", {**env, "args": vars(args), "complete": complete, "rows": done})
+
+    for scheduler in schedulers:
+        for name in names:
+            for size in sizes:
+                row = measure(name, size, scheduler, args, saved=save)
+                row.update(device=args.device, machine=machine)
+                rows.append(row)
+                save()
+    ray.shutdown()
+    print_table(rows)
+    print(f"wrote {stem}.json" + (f" and {stem}.png" if plot(rows, stem + ".png") else " (no matplotlib: no PNG)"))
 
 
 if __name__ == "__main__":

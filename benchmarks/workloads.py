@@ -1,7 +1,9 @@
 """Models and data shared by the benchmarks (importable by Ray workers by value)."""
 from __future__ import annotations
 
+import math
 import sys
+import types
 
 import torch
 from torch import nn
@@ -72,6 +74,118 @@ WORKLOADS = {
     "synth-cnn": (lambda: small_cnn(1, 8), synthetic_images_8x8),
     "cifar-cnn": (lambda: small_cnn(3, 32), synthetic_images),
 }
+
+
+# ----- the GPU check's workloads (issue 10): data made where it is used -------------------------
+# Their data callables build the sets on the process's own device (CUDA where the process
+# sees a GPU, else the CPU): a bucket, or a plain-Tune trial process, makes its copy
+# there, and no 600 MB of images travels through Ray. Sizes are bound in the closure
+# (and in its qualified name, which is part of a bucket's structural key).
+
+def _device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def cifar_cnn3(classes: int = 10):
+    """Three conv blocks with BatchNorm (no conv bias before BatchNorm) on 3x32x32;
+    ``config["width"]`` (default 16) channels in the first block, doubling after."""
+    def build(config: dict) -> nn.Module:
+        w = int(config.get("width", 16))
+        blocks = []
+        for c_in, c_out in ((3, w), (w, 2 * w), (2 * w, 4 * w)):
+            blocks += [nn.Conv2d(c_in, c_out, 3, padding=1, bias=False), nn.BatchNorm2d(c_out), nn.ReLU(),
+                       nn.MaxPool2d(2)]
+        return nn.Sequential(*blocks, nn.Flatten(), nn.Linear(4 * w * 4 * 4, classes))
+    build.__qualname__ = "cifar_cnn3"
+    return build
+
+
+def mlp2(features: int = 64, classes: int = 10):
+    """Two hidden layers; ``config["width"]`` (default 256) units each."""
+    def build(config: dict) -> nn.Module:
+        w = int(config.get("width", 256))
+        return nn.Sequential(nn.Linear(features, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, classes))
+    build.__qualname__ = "mlp2"
+    return build
+
+
+def cifar_gratings(n_train: int = 50_000, n_val: int = 10_000, classes: int = 10, size: int = 32,
+                   amplitude: float = 0.2):
+    """CIFAR-sized (3x32x32) synthetic images: each class is a colour grating of its own
+    orientation and frequency, at a random phase per image, under unit Gaussian noise.
+    A random phase defeats a linear template; conv filters and pooling find it."""
+    def load():
+        device = _device()
+        g = torch.Generator(device=device).manual_seed(0)
+        n = n_train + n_val
+        k = torch.arange(classes, device=device, dtype=torch.float32)
+        angle = k * (math.pi / classes)
+        freq = 2.0 + (k % 3)  # cycles across the image
+        colour = torch.rand(classes, 3, generator=g, device=device) + 0.5
+        y = torch.randint(0, classes, (n,), generator=g, device=device)
+        phase = 2 * math.pi * torch.rand(n, 1, 1, generator=g, device=device)
+        u = torch.arange(size, device=device, dtype=torch.float32) / size
+        along = (torch.cos(angle)[:, None, None] * u[None, :, None]
+                 + torch.sin(angle)[:, None, None] * u[None, None, :])  # (classes, size, size)
+        wave = torch.cos(2 * math.pi * freq[y, None, None] * along[y] + phase)  # (n, size, size)
+        x = amplitude * colour[y][:, :, None, None] * wave[:, None]
+        x += torch.randn(n, 3, size, size, generator=g, device=device)
+        return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+    load.__qualname__ = f"cifar_gratings_{n_train}_{n_val}"
+    return load
+
+
+def tabular(n_train: int = 50_000, n_val: int = 10_000, features: int = 64, classes: int = 10,
+            separation: float = 0.5):
+    """A make_classification-like set in torch alone (the GPU machine has no sklearn):
+    two clusters per class on the vertices of a hypercube in half the features,
+    a quarter linear mixtures of those, a quarter noise."""
+    def load():
+        device = _device()
+        g = torch.Generator(device=device).manual_seed(0)
+        n, informative = n_train + n_val, features // 2
+        centres = separation * torch.sign(torch.randn(2 * classes, informative, generator=g, device=device))
+        y = torch.randint(0, classes, (n,), generator=g, device=device)
+        cluster = 2 * y + torch.randint(0, 2, (n,), generator=g, device=device)
+        inf = centres[cluster] + torch.randn(n, informative, generator=g, device=device)
+        mix = torch.randn(informative, features // 4, generator=g, device=device) / math.sqrt(informative)
+        rest = features - informative - features // 4
+        x = torch.cat([inf, inf @ mix, torch.randn(n, rest, generator=g, device=device)], dim=1)
+        return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
+    load.__qualname__ = f"tabular_{n_train}_{n_val}"
+    return load
+
+
+# name: (model factory, data factory taking (n_train, n_val)), defaults 50k/10k.
+SIZED = {
+    "cifar-cnn3": (cifar_cnn3, cifar_gratings),
+    "tab-mlp2": (mlp2, tabular),
+}
+WORKLOADS.update({name: (model, data()) for name, (model, data) in SIZED.items()})
+
+
+def process_cache() -> dict:
+    """A dict that lives as long as the process: a plain-Tune trial process keeps its data
+    here across the trials it serves (``reuse_actors=True``). In ``sys.modules``, because
+    this module reaches Ray workers by value: its own globals are new with every unpickling."""
+    module = sys.modules.get("_chorus_bench_cache")
+    if module is None:
+        module = sys.modules["_chorus_bench_cache"] = types.ModuleType("_chorus_bench_cache")
+        module.data = {}
+    return module.data
+
+
+def workload(name: str, n_train: int | None = None, n_val: int | None = None):
+    """(model builder, data callable) of a named workload; sizes apply to SIZED ones."""
+    if name in SIZED:
+        model, data = SIZED[name]
+        sizes = {k: v for k, v in (("n_train", n_train), ("n_val", n_val)) if v is not None}
+        return model(), data(**sizes)
+    if n_train is not None or n_val is not None:
+        raise ValueError(f"workload {name!r} has a fixed size; sized ones: {sorted(SIZED)}")
+    model, data = WORKLOADS[name]
+    return model(), data
+
 
 try:  # Ray workers cannot import benchmarks/: ship this module by value.
     import ray.cloudpickle
