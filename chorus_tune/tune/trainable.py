@@ -2,9 +2,10 @@
 
 The trainable is a thin client. It holds no model, data or tensors: the task
 travels as bytes it never unpickles, member states as bytes it only passes on.
-``setup`` finds its member through the pool (seated already by ChorusSearch,
-or one of its own, built on the first ``step`` — fresh, or from the state a
-``load_checkpoint`` handed over). The bucket trains members ahead of their
+The first ``step`` finds its member through the pool (seated already by
+ChorusSearch, or one of its own, built then — fresh, or from the state a
+``load_checkpoint`` handed over); an actor Tune stops before it steps holds
+nothing. The bucket trains members ahead of their
 trials; every ``step`` takes the member's next result, waiting only if the
 bucket has not computed it yet.
 """
@@ -152,9 +153,23 @@ class ChorusTrainable(Trainable):
         self._pending_state: bytes | None = None
         self._seed: int | None = None
         self._setup_error: BaseException | None = None
-        self._reserve(config)
+        # The member is reserved at the first step, not here: Tune may create
+        # an actor for a trial, then hand the trial to a cached actor and stop
+        # this one unused (TuneController._maybe_reuse_cached_actor). Reserving
+        # here, the unused actor took the trial's member from the actor Tune
+        # kept, and its stop made that member leave (seen as trials restarted
+        # after a node was lost: "member ... is not in bucket", and a checkpoint
+        # holding the state of an iteration before its own).
+        self._unreserved = True
 
     def step(self) -> dict:
+        if self._unreserved:
+            self._reserve(self.config)
+            if self._seated and self._pending_state is not None:
+                # Restoring (load_checkpoint came first): a seated member trains
+                # from scratch, so the trial takes a member of its own.
+                self._leave()
+                self._reserve(self.config)
         if self._setup_error is not None:
             raise self._setup_error
         if self._bucket is None:
@@ -197,8 +212,8 @@ class ChorusTrainable(Trainable):
         if self._joined or self._seated:
             # Restoring a member that trains (PBT exploit, a seated member):
             # leave it, dropping its queued results, and come back with the state.
-            self._leave()  # its next reservation gets a member of its own
-            self._reserve(self.config)
+            self._leave()  # its next reservation (at the next step) gets a member of its own
+            self._unreserved = True
         self._pending_state = checkpoint.get("member")
         if checkpoint.get("seed") is not None:
             self._seed = int(checkpoint["seed"])
@@ -207,7 +222,7 @@ class ChorusTrainable(Trainable):
         # Actor reuse: this actor now serves another trial (Tune already switched trial_id).
         self._leave()
         self._pending_state, self._setup_error = None, None
-        self._reserve(new_config)
+        self._unreserved = True  # reserved at its first step (see setup)
         return True
 
     def cleanup(self) -> None:
@@ -227,6 +242,7 @@ class ChorusTrainable(Trainable):
 
     def _reserve(self, config: dict) -> None:
         config = self._clean(config)
+        self._unreserved = False
         self._joined = False
         self._bucket, self._bucket_name = None, None
         pool = get_pool(create=True)
