@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP_FLAGS ?= -q
 
-.PHONY: demo test setup bench clean
+.PHONY: demo test test-core setup bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: setup
 
 test: setup
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+# The fast inner loop: every test that runs no Ray (the core, the Ray-free rules of the Tune layer).
+test-core: setup
+	$(BIN)/python -m pytest -q -m "not ray" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

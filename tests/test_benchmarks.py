@@ -11,11 +11,16 @@ import pathlib
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
+
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def test_vs_tune_runs_every_way_and_writes_json_and_plot(tmp_path):
-    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1",
+           "RAY_ADDRESS": "local"}  # a Ray of its own: ray.init() would join a cluster an earlier test left
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "vs_tune.py"), "--workload", "digits-mlp64", "--trials", "4",
          "--epochs", "2", "--bucket-size", "4", "--repeats", "1", "--out", str(tmp_path), "--name", "smoke"],

@@ -22,7 +22,9 @@ from chorus_tune.tune import state_io
 from chorus_tune.tune.bucket_actor import ChorusBucket, MemberError
 from chorus_tune.tune.members import Plan
 from chorus_tune.tune.options import BucketOptions, Join
-from tune_support import digits_task, local_ray  # noqa: F401  (module-scoped Ray: metrics need one)
+from tune_support import digits_task
+
+pytestmark = pytest.mark.usefixtures("local_ray")  # the bucket's metrics need a Ray instance
 
 CONFIGS = {m: {"lr": 0.05 * (i + 1), "seed": i} for i, m in enumerate("abcd")}
 RTOL = 1e-5

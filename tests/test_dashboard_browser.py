@@ -29,9 +29,9 @@ from dashboard_support import TABLE_ROWS_JS, Chromium, find_chromium, login, ray
 from tune_support import digits_task, run_config
 
 CHROMIUM = find_chromium()
-pytestmark = pytest.mark.skipif(
+pytestmark = [pytest.mark.ray, pytest.mark.skipif(
     CHROMIUM is None, reason="no Chromium binary found (apt-get install chromium, or set $CHROMIUM): "
-                             "the dashboard is checked in a real browser only")
+                             "the dashboard is checked in a real browser only")]
 
 TRIALS, BUCKET, ITERATIONS, BATCH = 8, 8, 3, 64
 SCREEN = (1600, 760)  # the Actors page of one sweep fits; no empty page below it

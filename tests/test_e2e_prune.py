@@ -18,6 +18,8 @@ from ray import tune
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from prune_support import Recorder, cohorts_at, reference_metric, replay  # noqa: E402
 
+pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
+
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 TRIALS, BUCKET, MAX_BUCKETS, MAX_T, RF, CPUS = 32, 8, 2, 16, 4, 2

@@ -10,7 +10,7 @@ from chorus_tune.route import RouteReason
 from chorus_tune.tune import result_keys as rk
 from chorus_tune.tune.members import Plan
 from test_bucket_actor import make_bucket, seat
-from tune_support import local_ray  # noqa: F401  (module-scoped Ray: the bucket's metrics need one)
+pytestmark = pytest.mark.usefixtures("local_ray")  # the bucket's metrics need a Ray instance
 
 
 @pytest.mark.parametrize("route, reason", [("auto", RouteReason.FASTER), ("eager", RouteReason.REQUESTED)])

@@ -16,7 +16,7 @@ from prune_support import Recorder, cohorts_at, reference_metric, replay  # noqa
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-from tune_support import local_ray  # noqa: E402,F401  (module-scoped Ray, autouse)
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 

@@ -14,7 +14,7 @@ from chorus_tune.tune.search import ChorusSearch
 # Workers cannot import this test module: ship its functions by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-from tune_support import local_ray  # noqa: E402,F401  (module-scoped Ray, autouse)
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 

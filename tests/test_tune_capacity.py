@@ -25,7 +25,9 @@ from chorus_tune.tune import result_keys as rk
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-from tune_support import digits_task, local_ray, mlp, run_config  # noqa: E402,F401  (module-scoped Ray, autouse)
+from tune_support import digits_task, mlp, run_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 MIB = 2**20
 ROOM = 2.0  # the fake device's room, in member costs

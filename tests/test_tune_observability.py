@@ -20,6 +20,8 @@ from chorus_tune.tune import ChorusTrainable, grafana
 from dashboard_support import free_port, ray_head
 from tune_support import digits_task, run_config
 
+pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
+
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):

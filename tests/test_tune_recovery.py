@@ -19,6 +19,8 @@ from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
 from chorus_tune.tune.pool import NAMESPACE, pool_name
 from tune_support import by_iteration, digits_task, history, run_config, start_ray
 
+pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
+
 HERE = os.path.dirname(__file__)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module
 

@@ -13,6 +13,8 @@ from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats, load_m
 from chorus_tune.tune import result_keys as rk
 from tune_support import digits_task, history, mlp, picky_mlp, run_config, start_ray
 
+pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
+
 
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster():

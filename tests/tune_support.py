@@ -1,4 +1,4 @@
-"""Shared pieces of the Ray Tune layer's tests: small digits tasks and a Ray fixture.
+"""Shared pieces of the Ray Tune layer's tests: small digits tasks, run configs, result readers.
 
 The model factories and data loaders here travel to bucket actors inside the
 pickled task. Workers cannot import this test module, so it is pickled by value.
@@ -7,30 +7,22 @@ from __future__ import annotations
 
 import sys
 
-import pytest
 import ray
 import ray.cloudpickle
-import torch
 from ray import tune
 from torch import nn
 
+import models
 from chorus_tune import Task
+from models import mlp  # noqa: F401  (re-exported: the Tune tests' model)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+ray.cloudpickle.register_pickle_by_value(models)
 
 
 def digits(n_train: int = 512, n_val: int = 256):
-    from sklearn.datasets import load_digits
-
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
-    y = torch.tensor(d.target, dtype=torch.long)
-    return (x[:n_train], y[:n_train]), (x[n_train:n_train + n_val], y[n_train:n_train + n_val])
-
-
-def mlp(config: dict) -> nn.Module:
-    width = config.get("width", 16)
-    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+    """The digits split the Tune tests use (fewer samples than the core tests': faster epochs)."""
+    return models.digits(n_train, n_val)
 
 
 def picky_mlp(config: dict) -> nn.Module:
@@ -67,12 +59,3 @@ def by_iteration(result, metric: str = "val_loss") -> dict[int, float]:
     """``{training_iteration: value}`` of the reported results (the last report wins)."""
     frame = result.metrics_dataframe.sort_values("training_iteration")
     return dict(zip(frame["training_iteration"].astype(int), frame[metric]))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    """A Ray instance of the importing test module's own (address="local": other
-    Ray instances may run on this machine). Active in a module that imports it."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()

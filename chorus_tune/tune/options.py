@@ -5,13 +5,13 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from chorus_tune.capacity import CPU_DEFAULT_CAPACITY
 from chorus_tune.seeds import as_seed
 
 from .members import Plan
 
 
 AUTO = "auto"
+DEFAULT_BUCKET_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class BucketOptions:
     left (a trial reusing the leaver's actor refills the slot instead).
     """
 
-    bucket_size: int | str = 16
+    bucket_size: int | str = DEFAULT_BUCKET_SIZE
     resources_per_bucket: tuple[tuple[str, float], ...] | None = None
     route: str = "auto"
     run_ahead: int = 2
@@ -99,10 +99,12 @@ class BucketOptions:
     def expected_size(self) -> int:
         """Slots per bucket to size other things by (Tune's trial tokens,
         ChorusSearch's look-ahead) before an ``"auto"`` size is measured: the
-        cap, or the CPU default."""
+        cap, or the default size (the same 16 as ``chorus_tune.capacity``'s CPU
+        default; not imported from there: trial actors import this module and
+        must not load torch)."""
         if not self.auto:
             return self.bucket_size
-        return self.max_bucket_size or CPU_DEFAULT_CAPACITY
+        return self.max_bucket_size or DEFAULT_BUCKET_SIZE
 
     @staticmethod
     def resources(resources_per_bucket: dict | None) -> tuple[tuple[str, float], ...] | None:

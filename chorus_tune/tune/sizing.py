@@ -10,26 +10,29 @@ the card, memory the bucket that follows then lacks.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 import ray.cloudpickle as cloudpickle
 
-from chorus_tune.capacity import CapacityFit, auto_capacity
-
 from .options import BucketOptions
 from .resources import bucket_actor_options, bucket_threads, pick_device
 
+if TYPE_CHECKING:  # the pool imports this module, and trial actors the pool's: no torch at import
+    from chorus_tune.capacity import CapacityFit
 
-def fit_summary(fit: CapacityFit) -> dict[str, Any]:
+
+def fit_summary(fit: "CapacityFit") -> dict[str, Any]:
     """The fit as plain values: the pool's stats and the ``chorus/capacity_fit`` result field."""
     return {"k": fit.k, "a": fit.a, "b": fit.b, "free_bytes": fit.free_bytes, "fraction": fit.fraction,
             "source": fit.source, "reason": fit.reason}
 
 
 def _measure(task_blob: bytes, config: dict, fraction: float, cap: int | None,
-             meter_factory: Callable[[Any], Any] | None, route: str, threads: int) -> CapacityFit:
+             meter_factory: Callable[[Any], Any] | None, route: str, threads: int) -> "CapacityFit":
     import torch
+
+    from chorus_tune.capacity import auto_capacity
 
     torch.set_num_threads(threads)
     task = cloudpickle.loads(task_blob)
@@ -48,12 +51,14 @@ def needs_device(options: BucketOptions, per_bucket: dict[str, float]) -> bool:
 
 
 async def measure_bucket_size(task: Any, task_blob: bytes, config: dict, options: BucketOptions,
-                              per_bucket: dict[str, float]) -> CapacityFit:
+                              per_bucket: dict[str, float]) -> "CapacityFit":
     """The fit for members like ``config``: measured in a task holding a
     bucket's resources, or the CPU default at once when there is nothing to
     measure. Raises :class:`chorus_tune.capacity.CapacityFitError` when not
     even one member fits."""
     if not needs_device(options, per_bucket):
+        from chorus_tune.capacity import auto_capacity
+
         return auto_capacity(task, config, "cpu", fraction=options.memory_fraction, cap=options.max_bucket_size)
     clean = {k: v for k, v in config.items() if not k.startswith("__")}
     return await _measure_remote.options(**bucket_actor_options(per_bucket)).remote(
