@@ -81,7 +81,7 @@ def stacked_sgd(
     """
     neg_lr = -lr
     for i, p in enumerate(params):
-        def b(v: Tensor) -> Tensor:
+        def b(v: Tensor, p: Tensor = p) -> Tensor:
             return _per_member(v, p)
         d_p = grads[i].addcmul_(p, b(weight_decay)) if any_weight_decay else grads[i]
         if any_momentum:
@@ -122,7 +122,7 @@ def stacked_adam(
         bias2_sqrt = torch.where(active, bias2_sqrt, torch.ones_like(bias2_sqrt))
     neg_step_size = -lr / bias1
     for i, p in enumerate(params):
-        def b(v: Tensor) -> Tensor:
+        def b(v: Tensor, p: Tensor = p) -> Tensor:
             return _per_member(v, p)
         grad, exp_avg, exp_avg_sq = grads[i], exp_avgs[i], exp_avg_sqs[i]
         if all_active:

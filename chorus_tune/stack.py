@@ -226,7 +226,8 @@ class MemberStack:
         data_dim = None if shared else 0
         return torch.vmap(member, in_dims=(0, 0, data_dim, data_dim), randomness="different")
 
-    def eager_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool, slots: list[int]) -> torch.Tensor:
+    def eager_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool,
+                   slots: list[int]) -> torch.Tensor:
         """``fn(output, target)`` per slot, each through its own module; rows of
         slots not listed are zeros."""
         results = {}

@@ -28,7 +28,8 @@ def main(epochs: int = 10) -> None:
     elapsed = time.perf_counter() - start
     print(f"{len(slots)} members x {epochs} epochs in {elapsed:.2f} s, route={bucket.route}")
     for slot, config in sorted(slots.items(), key=lambda kv: -results[kv[0]]["val_accuracy"]):
-        print(f"  lr={config['lr']:<6} momentum={config['momentum']:<5} val_accuracy={results[slot]['val_accuracy']:.3f}")
+        accuracy = results[slot]["val_accuracy"]
+        print(f"  lr={config['lr']:<6} momentum={config['momentum']:<5} val_accuracy={accuracy:.3f}")
 
 
 if __name__ == "__main__":

@@ -62,7 +62,7 @@ def replay(events, ref, max_t, reduction_factor, grace_period=1, sign=-1.0):
         decided.update({(tid, it): "CONTINUE" if tid in keep else "STOP" for tid, it in members})
     bracket = CohortBracket(grace_period, max_t, reduction_factor)
     stopped = set()
-    for kind, tid, it, result in events:
+    for kind, tid, it, _result in events:
         if it is None:
             continue
         score = sign * ref[tid][it]

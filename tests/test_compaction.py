@@ -25,6 +25,7 @@ def test_pure_policy_modules_do_not_import_ray():
     import subprocess
     import sys
 
-    code = ("import sys, chorus_tune.tune.grouping, chorus_tune.tune.halving, chorus_tune.tune.members, chorus_tune.tune.placement; "
+    code = ("import sys, chorus_tune.tune.grouping, chorus_tune.tune.halving, chorus_tune.tune.members, "
+            "chorus_tune.tune.placement; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -147,7 +147,8 @@ def test_the_bucket_log_has_a_status_line_for_each_iteration_in_order(seen):
 
 
 def test_each_result_agrees_with_the_status_line_of_the_iteration_that_computed_it(seen):
-    lines = {int(m["iteration"]): m for m in map(STATUS.search, _bucket_log(seen)) if m and m["bucket"] == seen["bucket"]}
+    matches = map(STATUS.search, _bucket_log(seen))
+    lines = {int(m["iteration"]): m for m in matches if m and m["bucket"] == seen["bucket"]}
     checked = 0
     for result in seen["results"]:
         for _, row in result.metrics_dataframe.iterrows():

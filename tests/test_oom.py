@@ -216,7 +216,8 @@ def test_a_member_that_runs_out_alone_fails_alone_and_the_rest_complete(device):
     task = mlp_task(optimizer="adam")
     configs = [dict(lr=1e-3 * (i + 1), seed=i, cost=100 if i == 1 else 0) for i in range(4)]
     bucket = ct.Bucket(task, 4, route="vmap")
-    slots = [bucket.add(c) for c in configs]
+    for c in configs:
+        bucket.add(c)
     histories = train(bucket, 1)
     device.room = 3
     before = rows_of(bucket, 1)
@@ -247,7 +248,8 @@ def test_members_left_out_of_an_iteration_that_runs_out_stay_frozen(device):
     task = mlp_task(optimizer="sgd")
     configs = [dict(lr=0.05, momentum=0.5, seed=i) for i in range(4)]
     bucket = ct.Bucket(task, 4, route="vmap")
-    slots = [bucket.add(c) for c in configs]
+    for c in configs:
+        bucket.add(c)
     device.room = 2
     frozen = rows_of(bucket, 1)
     histories = train(bucket, 2, slots=[0, 2, 3])

@@ -92,7 +92,7 @@ def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_pat
     ours = [(name, s) for name, s in bucket_stats().items() if set(s["trials"]) & set(width_of)]
     ours.sort(key=lambda item: int(item[0].rsplit("-", 1)[1]))  # in the order they were opened
     first_of_width = {}
-    for name, s in ours:
+    for _name, s in ours:
         widths = {width_of[t] for t in s["trials"]}
         assert len(widths) == 1  # one structure per bucket
         first_of_width.setdefault(widths.pop(), s)
