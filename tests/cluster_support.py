@@ -111,18 +111,18 @@ def assert_on_reference(result, iterations: int) -> None:
 
 
 class OpenBuckets(tune.Callback):
-    """Reads the pool's stats as results arrive, until one reading shows buckets
-    that have trained and are open on ``nodes`` distinct nodes at once
-    (``seen``: that reading's open buckets)."""
+    """Reads the pool's stats as results arrive, until one reading shows at
+    least ``buckets`` buckets that have trained and are open at once, on at
+    least ``nodes`` distinct nodes (``seen``: that reading's open buckets)."""
 
-    def __init__(self, nodes: int):
-        self.nodes, self.seen = nodes, None
+    def __init__(self, nodes: int = 1, buckets: int = 1):
+        self.nodes, self.buckets, self.seen = nodes, buckets, None
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         if self.seen is None:
             running = {name: s for name, s in bucket_stats().items()
                        if not s["closed"] and s.get("iterations", 0) >= 1}
-            if len({s["node_id"] for s in running.values()}) >= self.nodes:
+            if len(running) >= self.buckets and len({s["node_id"] for s in running.values()}) >= self.nodes:
                 self.seen = running
 
 
