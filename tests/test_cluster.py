@@ -52,6 +52,10 @@ def test_a_sweep_runs_buckets_on_both_workers_at_once_and_every_trial_follows_th
     assert watch.seen is not None and {s["node_id"] for s in watch.seen.values()} == workers
     # Each bucket loaded the data on its own node; nothing loaded it on the head.
     assert nodes_that_loaded(data_log) == workers
+    print("figures:", {node[:8]: {"buckets": sum(s["node_id"] == node for s in stats.values()),
+                                  "trials": sum(len(s["trials"]) for s in stats.values() if s["node_id"] == node),
+                                  "open at once": sum(s["node_id"] == node for s in watch.seen.values())}
+                       for node in sorted(workers)})
 
 
 def test_a_bucket_given_a_gpu_where_torch_has_no_cuda_trains_on_the_cpu_and_reports_it(cluster):

@@ -88,3 +88,6 @@ def test_a_lost_node_loses_only_its_buckets_and_their_trials_resume_on_the_other
     resumed_at = [r.metrics_dataframe.loc[~r.metrics_dataframe["chorus/bucket"].isin(lost), "training_iteration"].min()
                   for r in hit]
     assert any(first > 1 for first in resumed_at)
+    print("figures:", {"removed": remover.removed[:8], "survivor": survivor[:8], "buckets lost": len(lost),
+                       "buckets on the survivor": len(stats) - len(lost), "trials recovered": len(remover.recovered),
+                       "trials whose bucket was lost": len(hit), "resumed at iteration": sorted(int(first) for first in resumed_at)})
