@@ -25,6 +25,7 @@ from ray.cluster_utils import Cluster
 
 from chorus_tune import Task, reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
+
 from tune_support import by_iteration, digits, digits_task, mlp
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module

@@ -17,8 +17,16 @@ from chorus_tune.tune import bucket_stats
 from chorus_tune.tune.bucket_actor import BucketActor
 from chorus_tune.tune.options import BucketOptions
 from chorus_tune.tune.pool import NAMESPACE, get_pool, pool_name
-from cluster_support import (GPUS_PER_WORKER, OpenBuckets, assert_on_reference, fake_cluster, never_hangs,
-                             nodes_that_loaded, sweep)
+
+from cluster_support import (
+    GPUS_PER_WORKER,
+    OpenBuckets,
+    assert_on_reference,
+    fake_cluster,
+    never_hangs,
+    nodes_that_loaded,
+    sweep,
+)
 from tune_support import digits_task
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module

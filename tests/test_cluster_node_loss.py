@@ -15,6 +15,7 @@ import ray.cloudpickle
 from ray import tune
 
 from chorus_tune.tune import bucket_stats
+
 from cluster_support import assert_on_reference, fake_cluster, never_hangs, sweep
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module
@@ -85,9 +86,11 @@ def test_a_lost_node_loses_only_its_buckets_and_their_trials_resume_on_the_other
     assert all(stats[r.metrics["chorus/bucket"]]["node_id"] == survivor for r in hit)
     assert any("died" in text for text in remover.recovered.values())
     # At least one went on from a checkpoint past iteration 1 (not from scratch).
-    resumed_at = [r.metrics_dataframe.loc[~r.metrics_dataframe["chorus/bucket"].isin(lost), "training_iteration"].min()
-                  for r in hit]
+    resumed_at = []
+    for r in hit:
+        frame = r.metrics_dataframe
+        resumed_at.append(int(frame.loc[~frame["chorus/bucket"].isin(lost), "training_iteration"].min()))
     assert any(first > 1 for first in resumed_at)
     print("figures:", {"removed": remover.removed[:8], "survivor": survivor[:8], "buckets lost": len(lost),
                        "buckets on the survivor": len(stats) - len(lost), "trials recovered": len(remover.recovered),
-                       "trials whose bucket was lost": len(hit), "resumed at iteration": sorted(int(first) for first in resumed_at)})
+                       "trials whose bucket was lost": len(hit), "resumed at iteration": sorted(resumed_at)})

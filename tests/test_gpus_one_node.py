@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from chorus_tune.tune import bucket_stats
+
 from cluster_support import OpenBuckets, assert_on_reference, never_hangs, sweep
 
 pytestmark = pytest.mark.cluster
@@ -49,5 +50,5 @@ def test_four_declared_gpus_run_four_buckets_at_once_each_on_its_own_card(four_g
     assert all(s["device"] == ("cuda:0" if torch.cuda.is_available() else "cpu") for s in stats)
     # At one moment, all four had trained and were open.
     assert watch.seen is not None and len(watch.seen) == GPUS
-    print("figures:", {"gpu ids": sorted(s["gpu_ids"][0] for s in stats), "devices": sorted(s["device"] for s in stats),
-                       "open at once": len(watch.seen)})
+    print("figures:", {"gpu ids": sorted(s["gpu_ids"][0] for s in stats),
+                       "devices": sorted(s["device"] for s in stats), "open at once": len(watch.seen)})

@@ -29,11 +29,11 @@ import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
+from .cluster import node_cpus, pool_scheduling_strategy
 from .grouping import GroupKey, should_compact
 from .members import Plan
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
-from .cluster import node_cpus, pool_scheduling_strategy
 from .resources import bucket_actor_options, bucket_budget, default_bucket_resources, shared_threads
 from .sizing import fit_summary, measure_bucket_size
 
