@@ -6,16 +6,27 @@ stacked SGD with momentum, per-member learning rates, masking and route choice
 all included) against the same steps taken by K separate models with
 ``torch.optim.SGD`` in one process, one after another. Both are timed
 side by side in one run, interleaved, best of ``--repeats``; the ratio is
-eager time / fused time (above 1: fused is faster).
+eager time / fused time (above 1: fused is faster). ``cnn3`` is the GPU
+check's CIFAR-sized CNN (3 conv blocks + BatchNorm, 3x32x32, 2048 images).
+
+``--variants`` times several fused variants side by side, each ``precision``
+or ``precision:route`` (``fp32``, ``bf16``, ``fp32:compiled``, ``fp32:vmap``,
+...; the route defaults to ``auto``, the bucket's probe). Every variant's
+bucket is built and warmed (probe, compilation) once, then the repeats time
+one iteration of each, and the eager loop in each precision, in turn. Each
+fused time is set against the eager loop in its own precision, and against
+the first variant (``bf16`` against ``fp32``: the bf16 speed-up).
 
     .venv/bin/python benchmarks/fused_step.py [--device cuda] [--optimizer sgd|adam|adamw]
-        [--models mlp64,mlp128,mlp256,cnn] [--threads N] [--json out.json]
+        [--models mlp64,mlp128,mlp256,cnn,cnn3] [--variants fp32,bf16,fp32:compiled] [--threads N] [--json out.json]
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import sys
 import time
 
 import torch
@@ -23,6 +34,10 @@ from torch import nn
 
 import chorus_tune as ct
 from chorus_tune.examples_data import digits_split
+from chorus_tune.precision import autocast
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import workloads as bench_workloads  # noqa: E402  (after the path tweak: benchmarks/ is not a package)
 
 
 def mlp_factory(width: int):
@@ -58,19 +73,34 @@ def torch_optimizer(family: str, params, config: dict) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=config["lr"])
 
 
-def time_fused(task: ct.Task, k: int, device: torch.device) -> tuple[float, str]:
-    bucket = ct.Bucket(task, k, device=device)
+def parse_variant(text: str) -> tuple[str, str]:
+    precision, _, route = text.partition(":")
+    return precision, route or "auto"
+
+
+def fused_bucket(task: ct.Task, k: int, device: torch.device, variant: str) -> ct.Bucket:
+    """A warmed bucket of ``k`` members for ``variant`` (its first iteration probes, compiles)."""
+    precision, route = parse_variant(variant)
+    task = ct.Task(task.model, task.data, optimizer=task.optimizer, batch_size=task.batch_size,
+                   iteration_steps=task.iteration_steps, precision=precision, compile=route == "compiled")
+    bucket = ct.Bucket(task, k, device=device, route=route)
     for c in configs(k, task.optimizer):
         bucket.add(c)
-    bucket.run_iteration()  # route probe and warm-up
+    bucket.run_iteration()  # route probe, compilation and warm-up
+    sync(device)
+    return bucket
+
+
+def time_fused(bucket: ct.Bucket, device: torch.device) -> float:
     sync(device)
     start = time.perf_counter()
     bucket.run_iteration()
     sync(device)
-    return time.perf_counter() - start, bucket.route
+    return time.perf_counter() - start
 
 
-def time_eager(task: ct.Task, k: int, device: torch.device) -> float:
+def eager_runner(task: ct.Task, k: int, device: torch.device, precision: str = "fp32"):
+    """K models with torch.optim, trained one after another; returns a function that times one pass."""
     train, _ = task.load_data()
     x, y = (t.to(device) for t in train.tensors)
     steps = task.iteration_steps
@@ -86,15 +116,40 @@ def time_eager(task: ct.Task, k: int, device: torch.device) -> float:
             idx = order.take(steps).to(device)
             for s in range(steps):
                 opt.zero_grad(set_to_none=True)
-                nn.functional.cross_entropy(m(x[idx[s]]), y[idx[s]]).backward()
+                with autocast(precision, device):
+                    loss = nn.functional.cross_entropy(m(x[idx[s]]), y[idx[s]])
+                loss.backward()
                 opt.step()
+
+    def timed() -> float:
+        sync(device)
+        start = time.perf_counter()
+        run()
+        sync(device)
+        return time.perf_counter() - start
 
     run()  # warm-up
     sync(device)
-    start = time.perf_counter()
-    run()
-    sync(device)
-    return time.perf_counter() - start
+    return timed
+
+
+def time_eager(task: ct.Task, k: int, device: torch.device, precision: str = "fp32") -> float:
+    return eager_runner(task, k, device, precision)()
+
+
+def environment(device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    driver = None
+    if cuda:
+        try:
+            from vs_tune import gpu_driver  # imports chorus_tune and torch only at module level
+
+            driver = gpu_driver()
+        except Exception:  # noqa: BLE001 - the driver's version is a nicety
+            driver = None
+    return {"device": str(device), "device_name": torch.cuda.get_device_name(device) if cuda else None,
+            "driver": driver, "python": platform.python_version(), "torch": torch.__version__,
+            "torch_cuda": torch.version.cuda, "cpu": platform.processor() or platform.machine()}
 
 
 def main() -> None:
@@ -106,44 +161,80 @@ def main() -> None:
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adamw"),
                         help="the stacked optimizer timed (against its torch.optim counterpart)")
     parser.add_argument("--models", default="mlp64,mlp128,mlp256,cnn",
-                        help="comma-separated subset of mlp64, mlp128, mlp256, cnn")
+                        help="comma-separated subset of mlp64, mlp128, mlp256, cnn, cnn3")
+    parser.add_argument("--variants", default="fp32",
+                        help="fused variants, comma-separated: precision[:route], e.g. fp32,bf16,fp32:compiled")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (1 steadies timings on a shared machine)")
-    parser.add_argument("--json", default=None)
+    parser.add_argument("--json", default=None, help="written after every row")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    variants = args.variants.split(",")
+    for v in variants:
+        precision, route = parse_variant(v)
+        if precision not in ("fp32", "bf16") or route not in ("auto", "vmap", "compiled", "eager"):
+            parser.error(f"unknown variant {v!r}: precision fp32|bf16, route auto|vmap|compiled|eager")
+    precisions = list(dict.fromkeys(parse_variant(v)[0] for v in variants))
     (x, y), (xv, yv) = digits_split()
     # A tiny validation split: this measures training steps, not evaluation.
     flat = ((x, y), (xv[:64], yv[:64]))
     images = ((x.reshape(-1, 1, 8, 8), y), (xv[:64].reshape(-1, 1, 8, 8), yv[:64]))
     workloads = {f"mlp{w}": (mlp_factory(w), flat) for w in (64, 128, 256)}
     workloads["cnn"] = (cnn_factory, images)
+    workloads["cnn3"] = (bench_workloads.cifar_cnn3(), bench_workloads.cifar_gratings(2048, 64))
     wanted = args.models.split(",")
     unknown = set(wanted) - set(workloads)
     if unknown:
         parser.error(f"unknown --models {sorted(unknown)}; choose from {sorted(workloads)}")
     workloads = {name: workloads[name] for name in wanted}
+    env = environment(device)
     rows = []
-    print(f"device={device} torch={torch.__version__} threads={torch.get_num_threads()} "
-          f"cpu={platform.processor() or platform.machine()} steps={args.steps} optimizer={args.optimizer} "
-          f"(best of {args.repeats})")
-    print(f"{'model':8} {'K':>3} {'fused s':>9} {'eager s':>9} {'ratio':>7}  route")
+
+    def save() -> None:
+        if args.json:
+            with open(args.json + ".tmp", "w") as fh:
+                json.dump({**env, "steps": args.steps, "optimizer": args.optimizer, "variants": variants,
+                           "repeats": args.repeats, "rows": rows}, fh, indent=2)
+            os.replace(args.json + ".tmp", args.json)
+
+    print(f"device={device} ({env['device_name'] or env['cpu']}) driver={env['driver']} torch={torch.__version__} "
+          f"threads={torch.get_num_threads()} steps={args.steps} optimizer={args.optimizer} (best of {args.repeats})")
+    if len(variants) == 1:
+        print(f"{'model':8} {'K':>3} {'fused s':>9} {'eager s':>9} {'ratio':>7}  route")
+    else:
+        print(f"{'model':8} {'K':>3} " + " ".join(f"{'eager ' + p:>11}" for p in precisions) + " "
+              + " ".join(f"{v:>24}" for v in variants) + "   (fused s, eager/fused, route)")
     for name, (factory, data) in workloads.items():
         task = ct.Task(factory, data, optimizer=args.optimizer, batch_size=64, iteration_steps=args.steps)
         for k in (int(v) for v in args.ks.split(",")):
-            fused, eager, route = float("inf"), float("inf"), None
-            for _ in range(args.repeats):  # interleaved, so drifting machine load hits both alike
-                f, route = time_fused(task, k, device)
-                fused = min(fused, f)
-                eager = min(eager, time_eager(task, k, device))
-            row = dict(model=name, k=k, fused_s=fused, eager_s=eager, ratio=eager / fused, route=route)
+            buckets = {v: fused_bucket(task, k, device, v) for v in variants}
+            eagers = {p: eager_runner(task, k, device, p) for p in precisions}
+            fused = {v: float("inf") for v in variants}
+            eager = {p: float("inf") for p in precisions}
+            for _ in range(args.repeats):  # interleaved, so drifting machine load hits all alike
+                for v in variants:
+                    fused[v] = min(fused[v], time_fused(buckets[v], device))
+                for p in precisions:
+                    eager[p] = min(eager[p], eagers[p]())
+            route = {v: buckets[v].route for v in variants}
+            ratio = {v: eager[parse_variant(v)[0]] / fused[v] for v in variants}
+            row = dict(model=name, k=k, fused_s=fused[variants[0]], eager_s=eager[precisions[0]],
+                       ratio=ratio[variants[0]], route=route[variants[0]])
+            if len(variants) > 1:
+                row.update(variants={v: dict(fused_s=fused[v], ratio=ratio[v], route=route[v],
+                                             first_over_this=fused[variants[0]] / fused[v]) for v in variants},
+                           eager_by_precision=eager)
             rows.append(row)
-            print(f"{name:8} {k:>3} {fused:>9.4f} {eager:>9.4f} {eager / fused:>6.2f}x  {route}", flush=True)
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"device": str(device), "steps": args.steps, "optimizer": args.optimizer, "rows": rows}, fh, indent=2)
+            save()
+            del buckets, eagers
+            if len(variants) == 1:
+                print(f"{name:8} {k:>3} {fused[variants[0]]:>9.4f} {eager[precisions[0]]:>9.4f} "
+                      f"{ratio[variants[0]]:>6.2f}x  {route[variants[0]]}", flush=True)
+            else:
+                print(f"{name:8} {k:>3} " + " ".join(f"{eager[p]:>11.4f}" for p in precisions) + " "
+                      + " ".join(f"{fused[v]:>9.4f} {ratio[v]:>6.2f}x {route[v]:>7}" for v in variants), flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,111 @@
+#!/usr/bin/env bash
+# The GPU check (issue 10, sections 1 and 4): one script, about 7.5 minutes of one card.
+#
+# The device machine has a CUDA build of torch in its python3, no .venv, no Ray and
+# no package registry. Ray travels as wheels in two folders, one per device call
+# (/work/shared/gpu/ray-wheels.sh):
+#
+#   here, once:    bash ../shared/gpu/ray-wheels.sh fetch      # fills .gpu-a, .gpu-b (git-ignored)
+#   device call 1, carry [".gpu-a"]:
+#                  rm -rf /tmp/gpu-a && cp -r .gpu-a /tmp/gpu-a
+#   device call 2, carry [".gpu-b"], timeout_s 560:
+#                  bash .gpu-b/ray-wheels.sh unpack /tmp/gpu-a .gpu-b /tmp/site && export PYTHONPATH=/tmp/site:. && bash benchmarks/gpu_check.sh
+#
+# Then copy the files that came back from $OUT into benchmarks/reported/gpu/.
+#
+# Parts, in order of priority; each writes its JSON as soon as it has a figure (and
+# again after every run), and each is cut at min(its cap, what is left of BUDGET_S),
+# so a run that is cut short keeps what finished:
+#   1. cnn    64 CIFAR-sized CNNs (cifar-cnn3, 50k/10k), plain Tune (1/8 card each,
+#             reuse_actors, data made once per trial process) vs chorus_tune (defaults),
+#             FIFO 2 epochs, then ASHA / ChorusASHA max_t 4: vs_tune-cnn.json
+#   2. mlp    the same with 64 MLPs (tab-mlp2, 50k/10k): vs_tune-mlp.json
+#   3. share  3 widths x 16 lrs of the CNN, 1 epoch, chorus_tune with 1, 0.5, 0.25 GPU
+#             per bucket (1, 2, 4 buckets on the card): share_card.json
+#   4. step   fused step vs K eager steps, fp32 and bf16: fused_step.json;
+#             then fp32 vs the compiled route: fused_step_compiled.json
+#
+# Settings (environment): PY (python3), OUT (benchmarks/results/gpu_check), BUDGET_S (450; smoke 1500),
+# GPU_FRACTION (0.125), SMOKE=1: every path at toy sizes on whatever device torch sees
+# (a CPU here: SMOKE=1 PY=.venv/bin/python OUT=/tmp/gpu-smoke bash benchmarks/gpu_check.sh).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+root=$(pwd)
+export PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"  # absolute: Tune's trial actors change directory
+export PYTHONUNBUFFERED=1 RAY_ADDRESS=local
+PY=${PY:-python3}
+OUT=${OUT:-benchmarks/results/gpu_check}
+SMOKE=${SMOKE:-0}
+GPU_FRACTION=${GPU_FRACTION:-0.125}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+
+if [ "$SMOKE" = 1 ]; then
+  # Toy sizes: every code path, on whatever device torch sees; nothing here is a result.
+  SIZE="--n-train 256 --n-val 64"; TRIALS=4; EPOCHS=1; ASHA_EPOCHS=2; BATCH=64; WAY_BUDGET=150
+  SHARE="--widths 4,8 --lrs 2 --epochs 1 --batch-size 64 --n-train 256 --n-val 64"
+  STEP="--models mlp64,cnn3 --ks 2 --steps 3 --repeats 1"; STEP_COMPILED="--models mlp64 --ks 2 --steps 3 --repeats 1"
+  CAP_CNN=400 CAP_MLP=300 CAP_SHARE=300 CAP_STEP=200 CAP_COMPILED=300
+  DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
+  BUDGET_S=${BUDGET_S:-1500}
+else
+  SIZE=""; TRIALS=64; EPOCHS=2; ASHA_EPOCHS=4; BATCH=256; WAY_BUDGET=${WAY_BUDGET:-60}
+  SHARE="--widths 8,16,32 --lrs 16 --epochs 1 --batch-size 256"
+  STEP="--models mlp256,cnn3 --ks 16,64 --steps 40 --repeats 2"
+  STEP_COMPILED="--models mlp256,cnn3 --ks 64 --steps 40 --repeats 2"
+  CAP_CNN=250 CAP_MLP=100 CAP_SHARE=80 CAP_STEP=45 CAP_COMPILED=60
+  DEVICE=cuda
+  BUDGET_S=${BUDGET_S:-450}
+fi
+
+start=$(date +%s)
+left() { echo $(( BUDGET_S - ($(date +%s) - start) )); }
+
+# part NAME CAP CMD...: run CMD under min(CAP, time left), its output in $OUT/NAME.txt;
+# print its elapsed time and the tail of its output.
+part() {
+  local name=$1 cap=$2; shift 2
+  local t; t=$(left); [ "$t" -gt "$cap" ] && t=$cap
+  if [ "$t" -lt 20 ]; then echo "== $name: skipped, $(left) s of BUDGET_S left"; return; fi
+  echo "== $name (at most $t s): $*"
+  local p0 rc; p0=$(date +%s)
+  timeout -k 20 "$t" "$@" > "$OUT/$name.txt" 2>&1; rc=$?
+  grep -v '^\[20\|^(raylet\|^[│╭╰├]\|^View detailed\|^To visualize\|^$' "$OUT/$name.txt" | tail -n 14
+  echo "== $name: rc=$rc, $(( $(date +%s) - p0 )) s (total $(( $(date +%s) - start )) s)"
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo "== $name: cut at $t s; its JSON holds what finished"
+    # A killed driver leaves no Ray behind (its node processes share its fate); on the
+    # device machine, make sure before the next part. Never on a shared machine.
+    [ "$SMOKE" = 1 ] || $PY -c "import sys; from ray.scripts.scripts import main; sys.argv = ['ray', 'stop', '--force']; main()" >/dev/null 2>&1 || true
+  fi
+}
+
+echo "== env (SMOKE=$SMOKE, device=$DEVICE, budget ${BUDGET_S} s, out $OUT)"
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+$PY - <<EOF | tee "$OUT/env.txt"
+import platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu")
+if "$DEVICE" == "cuda":
+    assert torch.cuda.is_available(), "no CUDA device visible to torch"
+EOF
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "== env: torch cannot run on $DEVICE; stopping"; exit 1; }
+ray_ok=1
+$PY -c "import ray, ray.tune; print('ray', ray.__version__)" || { ray_ok=0; echo "== env: no Ray (PYTHONPATH=/tmp/site? see the top of this script): only the fused step runs"; }
+
+VS="$PY benchmarks/vs_tune.py --device $DEVICE --trials $TRIALS --epochs $EPOCHS --asha-epochs $ASHA_EPOCHS
+    --batch-size $BATCH --scheduler fifo,asha --ways plain,chorus --repeats 1 --gpu-fraction $GPU_FRACTION
+    --way-budget-s $WAY_BUDGET --out $OUT $SIZE"
+if [ "$ray_ok" = 1 ]; then
+  part cnn "$CAP_CNN" $VS --workload cifar-cnn3 --name vs_tune-cnn
+  part mlp "$CAP_MLP" $VS --workload tab-mlp2 --name vs_tune-mlp
+  part share "$CAP_SHARE" $PY benchmarks/share_card.py --device "$DEVICE" --workload cifar-cnn3 $SHARE \
+      --way-budget-s "$WAY_BUDGET" --out "$OUT" --name share_card
+fi
+part step "$CAP_STEP" $PY benchmarks/fused_step.py --device "$DEVICE" $STEP --variants fp32,bf16 --json "$OUT/fused_step.json"
+part compiled "$CAP_COMPILED" $PY benchmarks/fused_step.py --device "$DEVICE" $STEP_COMPILED --variants fp32,fp32:compiled \
+    --json "$OUT/fused_step_compiled.json"
+
+echo "== summary ($(( $(date +%s) - start )) s)"
+$PY benchmarks/gpu_summary.py "$OUT" || true
