@@ -5,13 +5,15 @@
 # no package registry. Ray travels as wheels in two folders, one per device call
 # (/work/shared/gpu/ray-wheels.sh):
 #
-#   here, once:    bash ../shared/gpu/ray-wheels.sh fetch      # fills .gpu-a, .gpu-b (git-ignored)
-#   device call 1, carry [".gpu-a"]:
+#   here, once:    mkdir -p .git/info && bash ../shared/gpu/ray-wheels.sh fetch
+#                  (fills .gpu-a, 41 MB, and .gpu-b, 39 MB, both git-ignored)
+#   device call 1, carry [".gpu-a"], timeout_s 60:
 #                  rm -rf /tmp/gpu-a && cp -r .gpu-a /tmp/gpu-a
-#   device call 2, carry [".gpu-b"], timeout_s 560:
+#   device call 2, at once (a machine left idle goes back, /tmp with it), carry [".gpu-b"], timeout_s 560:
 #                  bash .gpu-b/ray-wheels.sh unpack /tmp/gpu-a .gpu-b /tmp/site && export PYTHONPATH=/tmp/site:. && bash benchmarks/gpu_check.sh
 #
-# Then copy the files that came back from $OUT into benchmarks/reported/gpu/.
+# Then copy the files that came back from $OUT into benchmarks/reported/gpu/, and
+# `python3 benchmarks/gpu_summary.py benchmarks/reported/gpu` prints the figures again.
 #
 # Parts, in order of priority; each writes its JSON as soon as it has a figure (and
 # again after every run), and each is cut at min(its cap, what is left of BUDGET_S),
@@ -54,7 +56,7 @@ else
   SHARE="--widths 8,16,32 --lrs 16 --epochs 1 --batch-size 256"
   STEP="--models mlp256,cnn3 --ks 16,64 --steps 40 --repeats 2"
   STEP_COMPILED="--models mlp256,cnn3 --ks 64 --steps 40 --repeats 2"
-  CAP_CNN=250 CAP_MLP=100 CAP_SHARE=80 CAP_STEP=45 CAP_COMPILED=60
+  CAP_CNN=260 CAP_MLP=100 CAP_SHARE=80 CAP_STEP=45 CAP_COMPILED=60
   DEVICE=cuda
   BUDGET_S=${BUDGET_S:-450}
 fi
@@ -91,6 +93,20 @@ if "$DEVICE" == "cuda":
     assert torch.cuda.is_available(), "no CUDA device visible to torch"
 EOF
 [ "${PIPESTATUS[0]}" = 0 ] || { echo "== env: torch cannot run on $DEVICE; stopping"; exit 1; }
+# What Ray Tune imports unconditionally; a missing one belongs in ray-wheels.sh's DEPS.
+$PY - <<'PYEOF' | tee -a "$OUT/env.txt"
+import importlib.util
+missing = []
+for name in ("numpy", "pandas", "pyarrow", "fsspec", "requests", "click", "filelock", "msgpack",
+             "google.protobuf", "yaml", "jsonschema", "pydantic", "tensorboardX", "ray"):
+    try:
+        found = importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        found = False
+    if not found:
+        missing.append(name)
+print("modules missing:", ", ".join(missing) or "none")
+PYEOF
 ray_ok=1
 $PY -c "import ray, ray.tune; print('ray', ray.__version__)" || { ray_ok=0; echo "== env: no Ray (PYTHONPATH=/tmp/site? see the top of this script): only the fused step runs"; }
 
