@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP_FLAGS ?= -q
 
-.PHONY: demo test test-core setup bench clean
+.PHONY: demo test test-core lint setup bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -21,8 +21,11 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/python examples/quickstart.py
 
-test: setup
+test: setup lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(BIN)/ruff check .
 
 # The fast inner loop: every test that runs no Ray (the core, the Ray-free rules of the Tune layer).
 test-core: setup

@@ -33,7 +33,8 @@ def vs_tune(path: str, d: dict) -> None:
 
 
 def share_card(path: str, d: dict) -> None:
-    print(f"{os.path.basename(path)}: {where(d)}, {d['trials']} trials" + ("" if d.get("complete") else "  [INCOMPLETE]"))
+    incomplete = "" if d.get("complete") else "  [INCOMPLETE]"
+    print(f"{os.path.basename(path)}: {where(d)}, {d['trials']} trials{incomplete}")
     ratios = d.get("first_over_share", {})
     for share, wall in d["median_wall_s"].items():
         bests = [r["best"] for r in d["runs"] if str(r["gpu_per_bucket"]) == share]

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import vs_tune  # noqa: E402  (after the path tweak: benchmarks/ is not a package)
+
 import workloads  # noqa: E402
 
 METRIC, MODE = vs_tune.METRIC, vs_tune.MODE

@@ -279,7 +279,8 @@ def timed(fn, device: torch.device) -> float:
 
 
 def profile(side, device: torch.device, label: str, rows: int) -> None:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch_profile(activities=activities) as prof:
@@ -336,7 +337,8 @@ def main() -> None:
               f"{args.steps} steps + eval per iteration, best of {args.repeats}, interleaved, "
               f"our route={args.route}")
     print(header)
-    print(f"{'K':>3} {'ours s':>9} {'chorus s':>9} {'ratio':>7} {'target':>7} {'max|dp|':>9}  routes (ours | chorus-torch)")
+    print(f"{'K':>3} {'ours s':>9} {'chorus s':>9} {'ratio':>7} {'target':>7} {'max|dp|':>9}"
+          "  routes (ours | chorus-torch)")
     rows = []
     for k in (int(v) for v in args.ks.split(",")):
         ours = Ours(task, k, device, args.route)

@@ -50,10 +50,10 @@ from dataclasses import asdict, dataclass
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import workloads  # noqa: E402  (after the path tweak: benchmarks/ is not a package)
-
 import chorus_tune as ct  # noqa: E402
 from chorus_tune.reference import ReferenceRun  # noqa: E402
+
+import workloads  # noqa: E402  (after the path tweak: benchmarks/ is not a package)
 
 METRIC, MODE = "val_accuracy", "max"
 
@@ -341,7 +341,8 @@ def measure(workload: str, bucket_size: int, scheduler: str, args, saved=lambda 
 
 def print_table(rows: list[dict]) -> None:
     ways = list(rows[0]["median_wall_s"])
-    head = f"{'workload':14} {'sched':>5} {'ep':>3} {'bucket':>6} " + " ".join(f"{w + ' s':>9} {'best':>6}" for w in ways)
+    columns = " ".join(f"{w + ' s':>9} {'best':>6}" for w in ways)
+    head = f"{'workload':14} {'sched':>5} {'ep':>3} {'bucket':>6} " + columns
     print(head + f" {'(a)/(b)':>8} {'(b)/(c)':>8} {'(a)/(b0)':>8}")
     for row in rows:
         cells = " ".join(f"{row['median_wall_s'][w]:9.1f}{'+' if row['budget_hit'][w] else ' '}{row['best'][w]:6.3f}"

@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from .losses import LossFn, resolve_loss
-from .precision import check_precision
 from .optim import OPTIMIZERS  # noqa: F401  (the families' names, from optim.FAMILIES; imported from here too)
+from .precision import check_precision
 
 if TYPE_CHECKING:  # stack.py imports this module
     from .stack import StructuralKey

@@ -22,6 +22,7 @@ from chorus_tune.tune import state_io
 from chorus_tune.tune.bucket_actor import ChorusBucket, MemberError
 from chorus_tune.tune.members import Plan
 from chorus_tune.tune.options import BucketOptions, Join
+
 from tune_support import digits_task
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # the bucket's metrics need a Ray instance

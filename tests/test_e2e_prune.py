@@ -30,6 +30,7 @@ def sweep(tmp_path_factory):
     from chorus_tune.tune import ChorusTrainable, bucket_stats
     from chorus_tune.tune.schedulers import ChorusASHA
     from chorus_tune.tune.search import ChorusSearch
+
     from tune_support import digits_task
 
     # address="local": a Ray instance of our own (others may run on this machine);
@@ -56,7 +57,10 @@ def sweep(tmp_path_factory):
     results = tuner.fit()
     from ray.util.state import list_actors
 
-    actors = list_actors(filters=[("class_name", "=", "ChorusTrainable")], limit=10_000, detail=False)
+    # This instance's address: without one, the state API takes the last cluster
+    # `ray start` recorded on this machine (an earlier test's, maybe gone).
+    actors = list_actors(address=ray.get_runtime_context().gcs_address,
+                         filters=[("class_name", "=", "ChorusTrainable")], limit=10_000, detail=False)
     yield task, results, recorder, bucket_stats(), actors
     ray.shutdown()
 

@@ -17,8 +17,14 @@ CONFIGS = {
 
 
 def test_names_other_modules_import_still_import():
-    from chorus_tune.optim import (HYPERPARAMETER_DEFAULTS, OPTIMIZERS, SCHEDULES,  # noqa: F401
-                                   build_torch_optimizer, hyperparameters, scheduled_lr)
+    from chorus_tune.optim import (  # noqa: F401
+        HYPERPARAMETER_DEFAULTS,
+        OPTIMIZERS,
+        SCHEDULES,
+        build_torch_optimizer,
+        hyperparameters,
+        scheduled_lr,
+    )
 
     assert task.OPTIMIZERS == OPTIMIZERS == tuple(FAMILIES) == ("sgd", "adam", "adamw")
     assert SCHEDULES == schedules.SCHEDULES and scheduled_lr is schedules.scheduled_lr

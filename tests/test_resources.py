@@ -4,8 +4,14 @@ from __future__ import annotations
 import pytest
 
 from chorus_tune.tune.options import BucketOptions, RungSchedule, derived_seed, member_seed
-from chorus_tune.tune.resources import (bucket_actor_options, bucket_budget, default_bucket_resources,
-                                        pick_device, shared_threads, trial_token_cpu)
+from chorus_tune.tune.resources import (
+    bucket_actor_options,
+    bucket_budget,
+    default_bucket_resources,
+    pick_device,
+    shared_threads,
+    trial_token_cpu,
+)
 
 
 def test_cpu_only_cluster_gets_one_bucket_per_core_and_a_token_per_slot():

@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from test_bucket_actor import make_bucket, seat
 
 from chorus_tune.route import RouteReason
 from chorus_tune.tune import result_keys as rk
 from chorus_tune.tune.members import Plan
-from test_bucket_actor import make_bucket, seat
+
 pytestmark = pytest.mark.usefixtures("local_ray")  # the bucket's metrics need a Ray instance
 
 

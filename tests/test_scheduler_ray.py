@@ -60,6 +60,7 @@ def test_on_a_plain_trainable_it_decides_what_stock_asha_decides_in_the_same_ord
 def fused_sweep(tmp_path_factory):
     """8 digits MLPs seated in one bucket of 8, pruned by ChorusASHA (rf=4, rungs 1 and 4)."""
     from chorus_tune.tune import ChorusSearch, ChorusTrainable
+
     from tune_support import digits_task
 
     task = digits_task()

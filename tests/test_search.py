@@ -139,6 +139,7 @@ def test_task_must_be_the_trainable_class():
 
 def test_without_ray_nothing_is_seated():
     from chorus_tune.tune import ChorusTrainable
+
     from tune_support import digits_task
 
     s = ChorusSearch(task=ChorusTrainable.for_task(digits_task(), bucket_size=2), max_concurrent_trials=2)

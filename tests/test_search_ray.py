@@ -89,6 +89,7 @@ def test_tuner_restore_resumes_the_search_without_repeating_or_losing_configs(tm
 def test_tuner_restore_reseats_members_and_every_trial_follows_its_reference(tmp_path):
     from chorus_tune import reference
     from chorus_tune.tune import ChorusTrainable
+
     from tune_support import digits_task
 
     task = digits_task()
@@ -131,6 +132,7 @@ def test_seating_again_keeps_a_member_a_trial_already_reads():
     from chorus_tune.tune import ChorusTrainable
     from chorus_tune.tune.options import Join
     from chorus_tune.tune.pool import get_pool
+
     from tune_support import digits_task
 
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1)
@@ -155,6 +157,7 @@ def test_a_member_that_left_is_seated_again_afresh():
     from chorus_tune.tune import ChorusTrainable
     from chorus_tune.tune.options import Join
     from chorus_tune.tune.pool import get_pool
+
     from tune_support import digits_task
 
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1)
@@ -180,6 +183,7 @@ def test_a_seated_member_whose_trial_actor_dies_before_reading_is_reaped():
 
     from chorus_tune.tune import ChorusTrainable
     from chorus_tune.tune.pool import get_pool
+
     from tune_support import digits_task
 
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1, reap_interval_s=0.2)

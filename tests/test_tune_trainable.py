@@ -11,6 +11,7 @@ from ray import tune
 from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats, load_model, retire_trial
 from chorus_tune.tune import result_keys as rk
+
 from tune_support import digits_task, history, mlp, picky_mlp, run_config, start_ray
 
 pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)

@@ -11,6 +11,7 @@ from ray import tune
 from ray.tune import Callback
 
 from chorus_tune.tune import ChorusTrainable
+
 from tune_support import digits_task
 
 

@@ -12,8 +12,9 @@ import ray.cloudpickle
 from ray import tune
 from torch import nn
 
-import models
 from chorus_tune import Task
+
+import models
 from models import mlp  # noqa: F401  (re-exported: the Tune tests' model)
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

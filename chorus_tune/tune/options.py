@@ -9,7 +9,6 @@ from chorus_tune.seeds import as_seed
 
 from .members import Plan
 
-
 AUTO = "auto"
 DEFAULT_BUCKET_SIZE = 16
 

@@ -21,7 +21,6 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.tune import Trainable
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
-from . import result_keys as rk
 from .actor_log import log_to_actor_stdout
 from .options import BucketOptions, Join, member_seed
 from .pool import NEED_TASK, Reservation, get_pool, task_id
