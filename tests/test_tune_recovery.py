@@ -81,6 +81,20 @@ def test_hyperband_paused_members_resume_on_their_reference_trajectory(tmp_path,
             assert value == pytest.approx(expected[iteration - 1], rel=1e-5), iteration
 
 
+class _Results(Callback):
+    """Every result Tune saw, per trial, and each trial's first lr: a trial's
+    results table may hold only its rows since a PBT exploit restored it."""
+
+    def __init__(self):
+        self.val_loss, self.first_lr = {}, {}
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self.first_lr.setdefault(trial.trial_id, trial.config["lr"])
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.val_loss.setdefault(trial.trial_id, {})[result["training_iteration"]] = result["val_loss"]
+
+
 @pytest.mark.parametrize("run_ahead", [0, 2])
 def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead):
     # Top trials have lr 0.5 and mutation keeps lr 0.5: an exploiting trial then
@@ -90,25 +104,21 @@ def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead):
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, run_ahead=run_ahead)
     pbt = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=2,
                                   hyperparam_mutations={"lr": [0.5]}, quantile_fraction=0.5, synch=True)
-    callback = _Restores()
+    seen = _Results()
     tuner = tune.Tuner(
         trainable, param_space={"lr": tune.grid_search([0.001, 0.002, 0.5, 0.5])},
         tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=pbt),
         run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0, stop={"training_iteration": 4},
-                                  callbacks=[callback]))
+                                  callbacks=[seen]))
     results = tuner.fit()
     assert not results.errors
-    frames = {r.metrics["trial_id"]: r.metrics_dataframe.drop_duplicates("training_iteration", keep="last")
-              .set_index("training_iteration")["val_loss"] for r in results}
-    originals = {r.metrics["trial_id"]: r for r in results}
-    exploited = [t for t, r in originals.items()
-                 if r.metrics_dataframe.sort_values("training_iteration")["config/lr"].iloc[0] < 0.5]
-    assert all(originals[t].config["lr"] == 0.5 for t in exploited)
-    assert len(exploited) == 2  # both low-lr trials took a donor's state and lr
-    donors = [t for t in originals if t not in exploited]
+    final_lr = {r.metrics["trial_id"]: r.config["lr"] for r in results}
+    exploited = [t for t, lr in seen.first_lr.items() if lr < 0.5]
+    assert len(exploited) == 2 and all(final_lr[t] == 0.5 for t in exploited)  # both took a donor's state and lr
+    donors = [t for t in final_lr if t not in exploited]
     for t in exploited:
-        after = frames[t].loc[[3, 4]].tolist()
-        assert any(after == pytest.approx(frames[d].loc[[3, 4]].tolist(), rel=1e-6) for d in donors)
+        after = [seen.val_loss[t][i] for i in (3, 4)]
+        assert any(after == pytest.approx([seen.val_loss[d][i] for i in (3, 4)], rel=1e-6) for d in donors)
 
 
 def test_killed_trial_actor_is_reaped_and_the_others_finish(tmp_path):
