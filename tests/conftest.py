@@ -28,3 +28,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "local_ray" in item.fixturenames or item.get_closest_marker("cluster") is not None:
             item.add_marker(pytest.mark.ray)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Modules that start Ray themselves may leave it running. Shut it down
+    # here, not in the interpreter's exit handlers: the whole suite's pytest
+    # process once died there with a segmentation fault after every test had
+    # run (Ray's core worker torn down beside torch's threads).
+    if ray.is_initialized():
+        ray.shutdown()
