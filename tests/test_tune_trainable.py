@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import ray
@@ -146,6 +147,22 @@ def test_retire_trial_is_idempotent_and_safe_for_unknown_trials():
     retire_trial("never-joined-00000")
 
 
+class _CompactionBeforeIteration(tune.Callback):
+    """Holds Tune at the survivor's result ``iteration`` until its bucket has
+    compacted (at most ``timeout_s``): the other trials leave from their own
+    actors, and on a fast machine the survivor could finish first."""
+
+    def __init__(self, iteration: int, timeout_s: float = 30.0):
+        self.iteration, self.timeout_s = iteration, timeout_s
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if result["config"]["epochs"] != 8 or result["training_iteration"] != self.iteration:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        while bucket_stats()[result[rk.BUCKET]].get("compactions", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+
 def test_bucket_compacts_as_members_finish_and_the_survivor_stays_on_its_trajectory(tmp_path):
     task = digits_task()
     # run_ahead=0: the survivor trains on only as its trial asks, so the bucket
@@ -154,7 +171,7 @@ def test_bucket_compacts_as_members_finish_and_the_survivor_stays_on_its_traject
     tuner = tune.Tuner(
         trainable, param_space={"epochs": tune.grid_search([1, 1, 2, 8]), "lr": 0.1, "seed": 6},
         tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
-        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0,
+        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0, callbacks=[_CompactionBeforeIteration(4)],
                                   stop=lambda trial_id, result: result["training_iteration"]
                                   >= result["config"]["epochs"]))
     results = tuner.fit()
