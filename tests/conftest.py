@@ -10,6 +10,9 @@ pytest.mark.ray``) — carries the ``ray`` marker, so ``make test-core``
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import ray
 
@@ -30,10 +33,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.ray)
 
 
+_EXIT_STATUS: list[int] = []
+
+
 def pytest_sessionfinish(session, exitstatus):
-    # Modules that start Ray themselves may leave it running. Shut it down
-    # here, not in the interpreter's exit handlers: the whole suite's pytest
-    # process once died there with a segmentation fault after every test had
-    # run (Ray's core worker torn down beside torch's threads).
+    # Modules that start Ray themselves may leave it running: shut it down
+    # while the interpreter is whole.
     if ray.is_initialized():
         ray.shutdown()
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    # After the last report is written, leave without the interpreter's
+    # teardown. Twice, a full run's pytest process died there with SIGSEGV
+    # after every test had passed or failed and the summary was printed: the
+    # kernel log showed a non-main thread jumping into freed memory (a native
+    # callback outliving the Python objects it called, torch's or Ray's), which
+    # turned the run's own exit status into make's "Segmentation fault". The
+    # status exited with is pytest's own.
+    if _EXIT_STATUS:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])
