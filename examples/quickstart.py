@@ -9,6 +9,7 @@ the trials of one structure together, K to a bucket, as one vmap'd step.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 import ray
@@ -32,7 +33,9 @@ def main() -> None:
     args = parser.parse_args()
     trials, epochs = (6, 3) if args.fast else (24, 12)
 
-    ray.init(configure_logging=False, include_dashboard=False)
+    # A Ray of its own unless RAY_ADDRESS names a cluster: plain ray.init()
+    # joins the last cluster `ray start` recorded on this machine, even a dead one.
+    ray.init(address=os.environ.get("RAY_ADDRESS", "local"), configure_logging=False, include_dashboard=False)
     task = Task(model=mlp, data=digits_split, optimizer="sgd", batch_size=64)
     # Width changes the structure: each width gets buckets of its own; lr,
     # momentum and weight decay keep it, so those trials share a bucket.
