@@ -34,7 +34,7 @@ from .grouping import GroupKey, should_compact
 from .members import Plan
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
-from .resources import bucket_actor_options, bucket_budget, default_bucket_resources, shared_threads
+from .resources import bucket_actor_options, bucket_budget, bucket_resources, shared_threads
 from .sizing import fit_summary, measure_bucket_size
 
 logger = logging.getLogger(__name__)
@@ -328,7 +328,7 @@ class ChorusPool:
 
     @staticmethod
     def _bucket_resources(options: BucketOptions) -> dict[str, float]:
-        return dict(options.resources_per_bucket or default_bucket_resources(ray.cluster_resources()))
+        return bucket_resources(options.resources_per_bucket, ray.cluster_resources())
 
     async def _bucket_size(self, key: GroupKey, options: BucketOptions, config: dict) -> int:
         """Slots for a new bucket of ``key``: ``bucket_size``, or for ``"auto"``

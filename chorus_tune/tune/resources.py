@@ -33,6 +33,11 @@ def default_bucket_resources(cluster: Mapping[str, float]) -> dict[str, float]:
     return {"CPU": 1.0}
 
 
+def bucket_resources(given, cluster: Mapping[str, float]) -> dict[str, float]:
+    """What one bucket uses: ``given`` (a dict, or BucketOptions' pairs), else the default for ``cluster``."""
+    return dict(given or default_bucket_resources(cluster))
+
+
 def bucket_budget(cluster: Mapping[str, float], per_bucket: Mapping[str, float]) -> int:
     """How many buckets the cluster holds at once (at least one)."""
     fits = [math.floor(cluster.get(name, 0) / amount + 1e-9)

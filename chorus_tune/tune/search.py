@@ -21,7 +21,7 @@ from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.variant_generator import generate_variants
 
 from . import run_plan
-from .resources import bucket_budget, default_bucket_resources
+from .resources import bucket_budget, bucket_resources
 
 logger = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class ChorusSearch(ConcurrencyLimiter):
         if not self._concurrency_given:
             self.max_concurrent = _default_concurrency()
         if self._lookahead_given is None and self._options is not None:
-            per_bucket = dict(self._options.resources_per_bucket or default_bucket_resources(cluster))
+            per_bucket = bucket_resources(self._options.resources_per_bucket, cluster)
             buckets = self.max_buckets or bucket_budget(cluster, per_bucket)
             self.lookahead = self.bucket_size * (buckets + 1)
 

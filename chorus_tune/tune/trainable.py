@@ -24,7 +24,7 @@ from ray.tune.execution.placement_groups import PlacementGroupFactory
 from .actor_log import log_to_actor_stdout
 from .options import BucketOptions, Join, member_seed
 from .pool import NEED_TASK, Reservation, get_pool, task_id
-from .resources import FALLBACK_TOKEN_CPU, default_bucket_resources, trial_token_cpu
+from .resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class ChorusTrainable(Trainable):
         token = FALLBACK_TOKEN_CPU
         if ray.is_initialized():
             cluster = ray.cluster_resources()
-            per_bucket = cls.resources_per_bucket or default_bucket_resources(cluster)
+            per_bucket = bucket_resources(cls.resources_per_bucket, cluster)
             size = cls.bucket_options().expected_size
             if cls.max_buckets is not None:
                 slots = size * cls.max_buckets
