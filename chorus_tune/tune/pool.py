@@ -340,8 +340,8 @@ class ChorusPool:
         if key not in self._sizing:
             self._sizing[key] = asyncio.ensure_future(measure_bucket_size(
                 self.tasks[key.task_id], self.blobs[key.task_id], config, options, self._bucket_resources(options)))
+            self._sizing[key].add_done_callback(lambda done: _log_size(key, done))  # once per key
         fit = await asyncio.shield(self._sizing[key])
-        logger.info("pool: bucket size %d for %s (%s: %s)", fit.k, key.model_name, fit.source, fit.reason)
         return fit.k
 
     async def bucket_size_for(self, task_id_: str, options: BucketOptions, config: dict) -> int:
@@ -635,6 +635,12 @@ class ChorusPool:
     async def shutdown(self) -> None:
         for name in list(self.handles):
             await self._close_actor(name)
+
+
+def _log_size(key: GroupKey, done: asyncio.Future) -> None:
+    if done.exception() is None:
+        fit = done.result()
+        logger.info("pool: bucket size %d for %s (%s: %s)", fit.k, key.model_name, fit.source, fit.reason)
 
 
 PoolActor = ray.remote(ChorusPool)
