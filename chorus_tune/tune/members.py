@@ -16,10 +16,24 @@ How far a member may run ahead of its trial (its *limit*, an iteration number):
   :mod:`chorus_tune.tune.halving`); the stopped go no further, the survivors
   go on at once. A member that reaches a rung alone is HELD there until its
   trial asks past it (Tune's scheduler continued it).
-* **Decisions only Tune makes** (stock ASHA, HyperBand, PBT, stoppers): at most
-  ``run_ahead`` iterations beyond what its trial has asked for, so a stopped
-  trial wastes at most that many. ``run_ahead=0`` is strict lockstep: an
-  iteration is computed only once its trial asked for it.
+* **Decisions only Tune makes** (Tune's default FIFO scheduler, stock ASHA,
+  HyperBand, median stopping, PBT, stoppers): the bucket cannot tell a FIFO run
+  from one that stops trials early, so it *speculates* (``Plan.speculate``):
+  a member trains on to its cap (a ``stop={"training_iteration": n}`` the run
+  gave) without waiting for its trial, except past the iterations at which
+  Tune has been seen stopping this bucket's trials early (the *learned
+  decision points*, :class:`StopRecord`): there it waits for its trial's
+  decision. Under FIFO no trial is stopped early, so nothing is wasted and
+  members never wait; under stock ASHA the bucket learns its rungs from the
+  first trials it stops. Where no cap is known and no decision point lies
+  ahead, a member runs at most ``run_ahead`` beyond what its trial asked for.
+  ``speculate=False`` keeps that ``run_ahead`` bound everywhere (a stopped
+  trial then wastes at most ``run_ahead``); ``run_ahead=0`` is strict lockstep:
+  an iteration is computed only once its trial asked for it.
+* **Stop criteria on the member's own metrics** (``stop={"val_accuracy": 0.95}``):
+  Tune stops a trial at its first result with ``result[key] >= value``; the
+  bucket checks the same on each result it computes and trains that member
+  no further (its result is ``done``).
 * Never more than ``max_queue`` results queued (each holds a state snapshot,
   so a checkpoint after result *t* restores the member exactly at *t*): this
   bounds the memory run-ahead costs.
@@ -64,7 +78,12 @@ class Plan:
     or no decision at all: FIFO with a budget the user gave), so the member
     runs ahead without bound. ``rungs``: iterations at which a cohort is halved,
     keeping ``max(1, floor(n / reduction_factor))`` by ``sign * metric``
-    (higher is better after the sign).
+    (higher is better after the sign). ``speculate``: when Tune decides, train
+    on to ``budget`` except past the decision points the bucket has learned
+    (see the module docstring); else at most ``run_ahead`` beyond the ask.
+    ``stop_criteria``: ``(key, value)`` pairs of a stop dict; a result with
+    ``result[key] >= value`` is the member's last (Tune's own rule,
+    ``Trial.should_stop``).
     """
 
     run_ahead: int = 2
@@ -74,6 +93,8 @@ class Plan:
     reduction_factor: float = 4.0
     metric: str | None = None
     sign: float = 1.0
+    speculate: bool = False
+    stop_criteria: tuple[tuple[str, float], ...] = ()
 
     def __post_init__(self) -> None:
         if self.run_ahead < 0:
@@ -128,6 +149,54 @@ class MemberRecord:
         return self.phase in (Phase.LEFT, Phase.FAILED)
 
 
+class StopRecord:
+    """Where Tune stops this bucket's trials early: the learned decision points.
+
+    Tune's decisions reach a bucket only as their effects: a trial that asks
+    for its next result after reading iteration *t* was continued at *t*; one
+    that leaves after *t*, short of its member's cap and not finished by the
+    bucket, was stopped at *t*. An iteration is a *decision point* once at
+    least one trial was stopped there and at least ``min_stop_rate`` of the
+    trials decided there were stopped (so one killed trial does not throttle
+    a FIFO run for good). Stock ASHA and HyperBand stop at their rungs only, so
+    their rungs are learned from the first trials they stop; a stopper that
+    ends every trial at *n* is learned as a point at *n*.
+    """
+
+    def __init__(self, min_stop_rate: float = 0.1):
+        self.min_stop_rate = min_stop_rate
+        self.stopped: dict[int, int] = {}
+        self.continued: dict[int, int] = {}
+        self._points: list[int] = []
+
+    def stop(self, iteration: int) -> None:
+        if iteration >= 1:
+            self.stopped[iteration] = self.stopped.get(iteration, 0) + 1
+            self._learn()
+
+    def cont(self, iteration: int) -> None:
+        if iteration >= 1:
+            self.continued[iteration] = self.continued.get(iteration, 0) + 1
+            if iteration in self.stopped:
+                self._learn()
+
+    def _learn(self) -> None:
+        self._points = sorted(
+            t for t, n in self.stopped.items()
+            if n / (n + self.continued.get(t, 0)) >= self.min_stop_rate)
+
+    @property
+    def points(self) -> tuple[int, ...]:
+        return tuple(self._points)
+
+    def next_point(self, iteration: int) -> int | None:
+        """The first learned decision point at or after ``iteration``."""
+        for point in self._points:
+            if point >= iteration:
+                return point
+        return None
+
+
 class MemberBook:
     """The members of one bucket and the rules that move them.
 
@@ -144,6 +213,7 @@ class MemberBook:
         self.gather_s = gather_s
         self.records: dict[str, MemberRecord] = {}
         self.wasted = 0
+        self.stops = StopRecord()
         self._ready_since: float | None = None
 
     # ----- membership -------------------------------------------------------------------------------
@@ -183,6 +253,10 @@ class MemberBook:
         if record is None or record.phase is Phase.LEFT:
             return None
         slot = record.slot if record.in_slot else None
+        if record.in_slot and record.attached and record.taken >= 1:
+            # Its trial left short of its cap, and the bucket did not finish it:
+            # Tune stopped it after its last result (a stopper, a scheduler).
+            self.stops.stop(record.taken)
         if record.phase is not Phase.FAILED:
             wasted = record.produced - record.taken
             record.wasted += wasted
@@ -214,12 +288,26 @@ class MemberBook:
         """The iteration ``record`` may be computed up to now."""
         plan = record.plan
         limit = math.inf if plan.budget is None else plan.budget
-        if not plan.bucket_decides or plan.run_ahead == 0:
-            # run_ahead=0 is strict lockstep, whatever the bucket knows.
-            limit = min(limit, record.asked + plan.run_ahead)
+        if plan.run_ahead == 0:
+            limit = min(limit, record.asked)  # strict lockstep, whatever the bucket knows
+        elif not plan.bucket_decides:
+            limit = self._tune_decides_limit(record, limit)
         if record.hold_at is not None:
             limit = min(limit, record.hold_at)
         return min(limit, record.taken + self.max_queue)
+
+    def _tune_decides_limit(self, record: MemberRecord, cap: float) -> float:
+        plan = record.plan
+        if not plan.speculate:
+            return min(cap, record.asked + plan.run_ahead)
+        # Tune decides after each result it reads; a learned decision point at
+        # or after what the trial asked for is where the member waits.
+        point = self.stops.next_point(max(record.asked, 1))
+        if point is not None and point < cap:
+            return max(point, record.asked)
+        if cap != math.inf:
+            return cap
+        return record.asked + plan.run_ahead  # nothing known ahead: the run_ahead bound
 
     def runnable(self) -> list[MemberRecord]:
         return [r for r in self.in_slots() if r.phase is Phase.TRAINING and r.produced < self.limit(r)]
@@ -292,7 +380,11 @@ class MemberBook:
         for member in outputs:
             record = self._get(member)
             budget = record.plan.budget
-            if record.phase is Phase.TRAINING and budget is not None and record.produced >= budget:
+            if record.phase is Phase.TRAINING and _meets_stop_criteria(record.plan, record.queue[-1].result):
+                # Tune stops the trial at this result: nothing past it is read.
+                record.queue[-1].result["done"] = True
+                freed.append(self._finish(record))
+            elif record.phase is Phase.TRAINING and budget is not None and record.produced >= budget:
                 record.queue[-1].result["done"] = True
                 freed.append(self._finish(record))
             elif record.phase is Phase.FINISHED and record.slot is not None:
@@ -338,6 +430,8 @@ class MemberBook:
         if record.phase is Phase.LEFT:
             raise KeyError(f"member {member} has left this bucket")
         if record.asked == record.taken:
+            if record.taken >= 1:
+                self.stops.cont(record.taken)  # Tune let it past its last result
             record.asked += 1
         if record.hold_at is not None and record.asked > record.hold_at:
             # Tune continued a member held alone at a rung.
@@ -366,3 +460,12 @@ class MemberBook:
         if record is None:
             raise KeyError(f"no member {member} in this bucket")
         return record
+
+
+def _meets_stop_criteria(plan: Plan, result: dict[str, Any]) -> bool:
+    """Tune's ``Trial.should_stop`` for the criteria a member's result carries."""
+    for key, value in plan.stop_criteria:
+        got = result.get(key)
+        if isinstance(got, (int, float)) and not isinstance(got, bool) and got >= value:
+            return True
+    return False

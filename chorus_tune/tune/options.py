@@ -30,13 +30,19 @@ class BucketOptions:
     else one CPU). ``route``: ``"auto" | "vmap" | "compiled" | "eager"``.
 
     How far members train ahead of their trials (docs/design.md D4):
-    ``run_ahead``: iterations a member may compute beyond what its trial has
-    asked for, when decisions are Tune's alone (stock ASHA, HyperBand, PBT,
-    stoppers); a trial Tune stops wastes at most that many. ``0`` is strict
-    lockstep. ``max_iterations``: an iteration budget. Giving it says that
-    nothing but the budget (and ChorusASHA's rungs, which the bucket decides
-    itself) ends a trial early, so members run ahead without bound and no
-    member-iteration is wasted; a trial's last result is then ``done``.
+    ``speculate``: when decisions are Tune's (its default FIFO scheduler, stock
+    ASHA, HyperBand, PBT, stoppers), members train on to the run's
+    ``stop={"training_iteration": n}`` without waiting for their trials, except
+    past the iterations where the bucket has seen Tune stop trials early
+    (:class:`chorus_tune.tune.members.StopRecord`); ``False``: at most
+    ``run_ahead`` beyond the ask everywhere. ``run_ahead``: iterations a member
+    may compute beyond what its trial has asked for where nothing else bounds
+    it (no ``speculate``, or no cap known); ``0`` is strict lockstep.
+    ``max_iterations``: an iteration budget. Giving it says that nothing but
+    the budget (and ChorusASHA's rungs, which the bucket decides itself) ends
+    a trial early, so members run ahead without bound and no member-iteration
+    is wasted; a trial's last result is then ``done``. Not needed for speed: a
+    stop dict gives the same under FIFO.
     ``ahead_memory_mb``: every result waiting for its trial keeps the member's
     state of that iteration (so a checkpoint is exact); a member stops running
     ahead when its bucket's waiting states would pass this many MiB.
@@ -60,6 +66,7 @@ class BucketOptions:
     resources_per_bucket: tuple[tuple[str, float], ...] | None = None
     route: str = "auto"
     run_ahead: int = 2
+    speculate: bool = True
     max_iterations: int | None = None
     ahead_memory_mb: float = 1024.0
     gather_s: float = 0.5
@@ -113,26 +120,28 @@ class BucketOptions:
         return tuple(sorted((str(k), float(v)) for k, v in resources_per_bucket.items()))
 
     def plan(self, schedule: "RungSchedule | None" = None, budget: int | None = None,
-             stop_at: int | None = None) -> Plan:
+             stop_at: int | None = None, stop_criteria: tuple[tuple[str, float], ...] = ()) -> Plan:
         """The member plan these options give, with a scheduler's rungs if any.
 
         ``budget``: an iteration budget given elsewhere (ChorusSearch), taking
         the place of ``max_iterations``. ``stop_at``: a ``training_iteration``
-        stopper known to the run: nothing trains past it, but Tune decides it,
-        so it bounds the run without letting members run ahead of it.
+        stop of the run: nothing trains past it. Where Tune's scheduler decides
+        the rest, members speculate up to it (``speculate``). ``stop_criteria``:
+        the run's stop dict on other keys, checked by the bucket on each result.
         """
         budget = budget if budget is not None else self.max_iterations
+        common = dict(run_ahead=self.run_ahead, speculate=self.speculate, stop_criteria=tuple(stop_criteria))
         if schedule is not None:
             caps = [b for b in (budget, schedule.max_t, stop_at) if b is not None]
-            return Plan(run_ahead=self.run_ahead, budget=min(caps), bucket_decides=True,
+            return Plan(budget=min(caps), bucket_decides=True,
                         rungs=tuple(r for r in schedule.rungs if r < min(caps)),
                         reduction_factor=schedule.reduction_factor, metric=schedule.metric,
-                        sign=schedule.sign)
+                        sign=schedule.sign, **common)
         if budget is not None:
             if stop_at is not None:
                 budget = min(budget, stop_at)
-            return Plan(run_ahead=self.run_ahead, budget=budget, bucket_decides=True)
-        return Plan(run_ahead=self.run_ahead, budget=stop_at)
+            return Plan(budget=budget, bucket_decides=True, **common)
+        return Plan(budget=stop_at, **common)
 
 
 @dataclass(frozen=True)

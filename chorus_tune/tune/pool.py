@@ -41,6 +41,9 @@ logger = logging.getLogger(__name__)
 
 NAMESPACE = "chorus_tune"
 NEED_TASK = "chorus/need-task"
+# A scout's member waits this long for the cohort its search seats next (a
+# fraction of a second, normally) before it is placed alone: no wait is endless.
+SCOUT_WAIT_S = 30.0
 QUEUED = "chorus/queued"
 _JOB_POLL_S = 2.0
 _DRAIN_POLL_S = 0.2
@@ -104,6 +107,12 @@ class ChorusPool:
         self._idle: set[str] = set()  # empty buckets waiting to be drained before they close
         self._unplaced: dict[str, BaseException] = {}  # members whose placement failed: why
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
+        # ChorusSearch without task= (see ChorusSearch._send_scout): trial id ->
+        # the seat its first step turns into; then trial id -> (task id, options)
+        # learnt from it; and the scouts' members held back for their cohort.
+        self._scouts: dict[str, tuple[str, dict, int]] = {}
+        self._scout_tasks: dict[str, tuple[str, BucketOptions]] = {}
+        self._held: dict[str, tuple[GroupKey, Any]] = {}  # member -> (its key, the fallback timer)
         self._started = False
 
     def __repr__(self) -> str:
@@ -150,6 +159,10 @@ class ChorusPool:
             return NEED_TASK
         out, placements = {}, []
         for member, config, seed in seats:
+            if member in self._held:
+                # A scout's member: seated now, first, with the cohort it waited for.
+                self._held.pop(member)[1].cancel()
+                del self.seats[member]
             if member in self.seats or member in self.homes or member in self.failed:
                 # Seated again (ChorusSearch restored in this job): it is kept
                 # as it is. Its state is what a fresh seat would compute, only
@@ -201,6 +214,41 @@ class ChorusPool:
         return member
 
     # ----- trials in ------------------------------------------------------------------------------
+    # ----- a search that learns its task from its first trial (a scout) --------------------------
+    async def expect_scout(self, trial_id: str, seat: tuple[str, dict, int]) -> None:
+        """ChorusSearch (no ``task=``) hands Tune ``trial_id`` first: when its
+        first step reserves, it teaches the pool its task, and it reads the
+        member ``seat`` (``(member, config, seed)``), placed with the cohort
+        the search seats next."""
+        self._scouts[trial_id] = seat
+
+    async def scout_task(self, trial_id: str) -> tuple[str, BucketOptions] | None:
+        """``(task id, options)`` the scout reserved with, once it has."""
+        return self._scout_tasks.get(trial_id)
+
+    def _hold_scout(self, trial_id: str, task_id_: str, options: BucketOptions) -> str:
+        member, config, seed = self._scouts.pop(trial_id)
+        key = self._key(task_id_, options, config)  # the factory's error, for the scout's trial
+        self.seats[member] = Join(config=dict(config), seed=int(seed), plan=options.plan())
+        self.bound[trial_id] = member
+        self._scout_tasks[trial_id] = (task_id_, options)
+        timer = asyncio.get_running_loop().call_later(
+            SCOUT_WAIT_S, lambda: asyncio.get_running_loop().create_task(self._place_held(member)))
+        self._held[member] = (key, timer)
+        return member
+
+    async def _place_held(self, member: str) -> None:
+        held = self._held.pop(member, None)
+        if held is None:
+            return
+        logger.warning("pool: scout member %s waited %.0f s for its cohort; placed alone", member, SCOUT_WAIT_S)
+        key, _ = held
+        options = key.options
+        size = await self._bucket_size(key, options, self.seats[member].config)
+        placed = self.placement.request(member, key, size)
+        if placed is not None:
+            await self._realize_waiting(placed)
+
     async def reserve(self, trial_id: str, task_id_: str, task_blob: bytes | None, config: dict,
                       options: BucketOptions, client: Any = None, seed: int | None = None):
         """Where ``trial_id`` reads its results: a :class:`Reservation`, or
@@ -220,6 +268,8 @@ class ChorusPool:
             # restore in this job): what its member holds is stale for it. It
             # gets a member of its own (restored from its checkpoint, if any).
             await self.trial_left(trial_id)
+        if trial_id in self._scouts:
+            self._hold_scout(trial_id, task_id_, options)
         member = self.bound.get(trial_id)
         if member is not None and member not in self.seats and member not in self.failed:
             del self.bound[trial_id]  # its seated member was lost with its bucket
@@ -257,8 +307,8 @@ class ChorusPool:
             raise self._unplaced[member]
         name = self.homes.get(member)
         if name is None:
-            placed = self.placement is not None and (self.placement.is_waiting(member)
-                                                     or self.placement.bucket_of(member) is not None)
+            placed = member in self._held or self.placement is not None and (
+                self.placement.is_waiting(member) or self.placement.bucket_of(member) is not None)
             if not placed:
                 raise RuntimeError(f"member {member} is neither placed nor waiting for a bucket")
             future = self._waiting.setdefault(member, asyncio.get_running_loop().create_future())
@@ -391,6 +441,9 @@ class ChorusPool:
         waiting). Idempotent; a no-op for a member the pool never saw.
         ``reason`` (e.g. ``"reaped"``) is recorded in the bucket's history."""
         self._start()
+        held = self._held.pop(member, None)
+        if held is not None:
+            held[1].cancel()
         self.seats.pop(member, None)
         self.failed.pop(member, None)
         self._unplaced.pop(member, None)

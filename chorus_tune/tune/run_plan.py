@@ -1,23 +1,34 @@
-"""What a run's scheduler lets buckets decide, handed from ChorusASHA to ChorusSearch.
+"""What a run tells its buckets in advance, gathered in the driver (Ray-free).
 
-Both live in the driver, and Tune calls the searcher's and then the
-scheduler's ``set_search_properties`` before it asks for the first trial
-(``ray.tune.tune.run``). ChorusSearch clears the slot, ChorusASHA announces its
-rungs, and ChorusSearch reads them when it seats its first members: seated
-members know their rungs before their trials exist, so a cohort is halved in
-its bucket at the rung and never trains past it. (One run at a time per
-driver process: two Tuners fitting in threads of one process would share it.)
+Two things, both read when ChorusSearch seats its first members:
+
+* **ChorusASHA's rungs.** Tune calls the searcher's and then the scheduler's
+  ``set_search_properties`` before it asks for the first trial
+  (``ray.tune.tune.run``). ChorusSearch clears the slot and says it seats
+  cohorts, ChorusASHA announces its rungs (and warns if no searcher seats
+  cohorts), and ChorusSearch reads them when it seats: seated members know
+  their rungs before their trials exist, so a cohort is halved in its bucket
+  at the rung and never trains past it.
+* **The run's stop dict** (:func:`stop_terms`): a ``training_iteration`` cap,
+  and criteria on the member's own metrics, which the bucket can check itself.
+
+(One run at a time per driver process: two Tuners fitting in threads of one
+process would share this.)
 """
 from __future__ import annotations
+
+import math
+from typing import Any, Mapping
 
 from .options import RungSchedule
 
 _announced: RungSchedule | None = None
+_seating_search = False
 
 
 def clear() -> None:
-    global _announced
-    _announced = None
+    global _announced, _seating_search
+    _announced, _seating_search = None, False
 
 
 def announce(schedule: RungSchedule | None) -> None:
@@ -27,3 +38,39 @@ def announce(schedule: RungSchedule | None) -> None:
 
 def announced() -> RungSchedule | None:
     return _announced
+
+
+def search_seats_cohorts() -> None:
+    """Called by ChorusSearch for the run about to start."""
+    global _seating_search
+    _seating_search = True
+
+
+def take_seating_search() -> bool:
+    """Whether this run's searcher seats cohorts (read once, by the scheduler)."""
+    global _seating_search
+    seating, _seating_search = _seating_search, False
+    return seating
+
+
+def stop_terms(stop: Any) -> tuple[int | None, tuple[tuple[str, float], ...]]:
+    """What a run's ``stop`` dict lets a bucket decide: ``(cap, criteria)``.
+
+    ``cap``: the ``training_iteration`` every trial ends at (Tune stops at the
+    first result with ``training_iteration >= value``, so a fraction rounds
+    up). ``criteria``: the other numeric ``(key, value)`` pairs; Tune stops a
+    trial at its first result with ``result[key] >= value``. A ``Stopper``
+    object never reaches a searcher (Tune passes searchers the dict form only),
+    so it gives neither: the bucket learns its effect instead (StopRecord).
+    """
+    if not isinstance(stop, Mapping):
+        return None, ()
+    cap, criteria = None, []
+    for key, value in stop.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            continue
+        if key == "training_iteration":
+            cap = max(1, math.ceil(value))
+        else:
+            criteria.append((str(key), float(value)))
+    return cap, tuple(sorted(criteria))

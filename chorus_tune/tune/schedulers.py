@@ -76,6 +76,8 @@ class ChorusASHA(AsyncHyperBandScheduler):
         self._reduction_factor = reduction_factor
         self._stop_at: Optional[int] = None  # a training_iteration stopper of the run
         self._num_bucket_decided = 0  # results whose decision a bucket made (for debug_string)
+        self._seating_search = False  # the run's searcher seats cohorts (ChorusSearch)
+        self._warned_no_cohorts = False
 
     # -- what the buckets may decide ----------------------------------------
     def rung_schedule(self) -> Optional[RungSchedule]:
@@ -91,17 +93,25 @@ class ChorusASHA(AsyncHyperBandScheduler):
                             sign=float(self._metric_op))
 
     def set_search_properties(self, metric: Optional[str], mode: Optional[str], **spec) -> bool:
-        stop = spec.get("stop")
-        if isinstance(stop, dict) and isinstance(stop.get("training_iteration"), (int, float)):
-            self._stop_at = int(stop["training_iteration"])
+        self._stop_at, _ = run_plan.stop_terms(spec.get("stop"))
         ok = super().set_search_properties(metric, mode, **spec)
         run_plan.announce(self.rung_schedule())
+        self._seating_search = run_plan.take_seating_search()
         return ok
 
     def on_trial_add(self, tune_controller: "TuneController", trial: Trial):
         super().on_trial_add(tune_controller, trial)
         schedule = self.rung_schedule()
-        if schedule is not None and _is_chorus(trial):
+        chorus = _is_chorus(trial)
+        if chorus and not self._seating_search and not self._warned_no_cohorts:
+            self._warned_no_cohorts = True
+            logger.warning(
+                "ChorusASHA runs without ChorusSearch: each trial joins a bucket only when Tune starts it, "
+                "so the members that reach a rung together are only the trials running at once (about one "
+                "per CPU), and most rungs are decided one trial at a time, as stock ASHA does (it promotes "
+                "too many). Pass search_alg=ChorusSearch(...) (wrapping your searcher, if any) so cohorts "
+                "are seated together and halved in their bucket.")
+        if schedule is not None and chorus:
             # A member that joins with its trial (no ChorusSearch) learns its rungs here.
             from .pool import get_pool
 

@@ -12,7 +12,7 @@ import os
 import pickle
 import tempfile
 import uuid
-from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 import ray
@@ -95,13 +95,6 @@ def _trainable_class(task: Any) -> Any:
         f"subclass with a `task`); got {task!r}")
 
 
-def _stop_iteration(stop: Any) -> Optional[int]:
-    """The ``training_iteration`` a dict stopper ends every trial at, if any."""
-    if isinstance(stop, Mapping) and isinstance(stop.get("training_iteration"), (int, float)):
-        return int(stop["training_iteration"])
-    return None
-
-
 class ChorusSearch(ConcurrencyLimiter):
     """Seats trials in buckets before Tune asks for them, then hands them to Tune.
 
@@ -120,17 +113,19 @@ class ChorusSearch(ConcurrencyLimiter):
         searcher: any Tune ``Searcher`` (e.g. ``OptunaSearch``); None samples
             ``param_space`` itself (grid axes and random distributions).
         task: the ChorusTrainable class you give ``tune.Tuner`` (its task and
-            bucket options are what members are seated with). Without it,
-            nothing is seated: trials join buckets when Tune starts them.
+            bucket options are what members are seated with). Optional: without
+            it, the search learns them from the run's first trial (a *scout*:
+            Tune starts it alone, its member waits for the rest of its cohort,
+            and everything after behaves exactly as with ``task=``). A run whose
+            trainable is not a ChorusTrainable gets a warning and no seating.
         max_concurrent_trials: trials Tune runs at once (each is a process
             that reads results). Default: the cluster's CPUs.
         max_iterations: an iteration budget for every trial (else the
-            trainable's ``max_iterations``): members then train to it without
-            waiting for their trials. Give it when nothing but the budget ends
-            a trial (FIFO); with ChorusASHA the bucket knows its rungs and
-            ``max_t`` already. A ``stop={"training_iteration": n}`` in the run
-            caps members at ``n`` but is Tune's decision, so it alone does not
-            let them run ahead.
+            trainable's ``max_iterations``), saying nothing else ends a trial
+            early. Not needed for speed: with a run's
+            ``stop={"training_iteration": n}`` members train to ``n`` without
+            waiting for their trials, except past the iterations where Tune
+            has been seen stopping trials early (docs/design.md D4).
         lookahead: seated members not yet bound to a trial (default: enough
             to fill every bucket, plus one bucket more for refills). Lower it
             to keep a model-based searcher more adaptive (it is asked that
@@ -157,9 +152,17 @@ class ChorusSearch(ConcurrencyLimiter):
         max_buckets: Optional[int] = None,
         random_state: Optional[int] = None,
     ):
-        self._trainable = _trainable_class(task)
-        options = self._trainable.bucket_options() if self._trainable is not None else None
+        trainable = _trainable_class(task)
+        options = trainable.bucket_options() if trainable is not None else None
         self._options = options
+        # What members are seated with: the trainable's task (by id; its bytes
+        # only when the pool asks) and bucket options. Learnt from the run's
+        # first trial when no task is given (see _learn_from_scout).
+        self._task_id: Optional[str] = trainable._task_id if trainable is not None else None
+        self._task_blob: Optional[bytes] = trainable._task_blob if trainable is not None else None
+        self._learning = trainable is None  # no task given: the first trial is a scout
+        self._learnt = False
+        self._scout: Optional[str] = None  # the scout's Tune trial id, while its task is not known
         self._bucket_size_given = bucket_size
         self.bucket_size = bucket_size or (options.expected_size if options else 16)
         self.max_buckets = max_buckets if max_buckets is not None else (options.max_buckets if options else None)
@@ -182,6 +185,7 @@ class ChorusSearch(ConcurrencyLimiter):
         self._budget: Optional[int] = None  # num_samples: never pull more
         self._exhausted = False          # the inner searcher said FINISHED
         self._stop_at: Optional[int] = None
+        self._stop_criteria: Tuple[Tuple[str, float], ...] = ()
         self._unbound: List[Tuple[str, Dict]] = []  # seated (or held) suggestions, oldest first
         self._inner_id: Dict[str, str] = {}    # Tune trial id -> inner id (= member id)
         self._configs: Dict[str, Dict] = {}    # inner id -> config, while its trial runs
@@ -194,14 +198,14 @@ class ChorusSearch(ConcurrencyLimiter):
         num_samples = spec.get("num_samples")
         if isinstance(num_samples, int) and num_samples > 0:
             self._budget = num_samples
-        self._stop_at = _stop_iteration(spec.get("stop"))
+        self._stop_at, self._stop_criteria = run_plan.stop_terms(spec.get("stop"))
         run_plan.clear()  # ChorusASHA, if it runs, announces its rungs next
         if ray.is_initialized():
             self._size_for_cluster()
-            if self._trainable is not None:
-                from .pool import get_pool
+            from .pool import get_pool
 
-                get_pool(create=True)  # starts now (a second or two) while Tune sets up the run
+            get_pool(create=True)  # starts now (a second or two) while Tune sets up the run
+            run_plan.search_seats_cohorts()
         ok = super().set_search_properties(metric, mode, config, **spec)
         if self._own_sampler and self._budget and self.searcher.grid_size > 1 \
                 and self._budget % self.searcher.grid_size:
@@ -215,6 +219,11 @@ class ChorusSearch(ConcurrencyLimiter):
     def suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:
         if len(self.live_trials) >= self.max_concurrent:
             return None
+        if self._learning and ray.is_initialized():
+            if self._scout is None:
+                return self._send_scout(trial_id)
+            if not self._learn_from_scout():
+                return None  # Tune asks again; the scout's first step teaches the task
         if not self._seated_here:
             self._reseat()
         self._top_up()
@@ -238,6 +247,10 @@ class ChorusSearch(ConcurrencyLimiter):
     def on_trial_complete(
         self, trial_id: str, result: Optional[Dict] = None, error: bool = False
     ) -> None:
+        if self._learning and trial_id == self._scout and not self._learn_from_scout():
+            # The scout ended without reaching the pool: not a ChorusTrainable
+            # (or it failed before its first step).
+            self._stop_learning(f"its first trial {trial_id} ended without reaching a bucket")
         inner = self._inner_id.pop(trial_id, None)
         if inner is None:
             return
@@ -265,7 +278,7 @@ class ChorusSearch(ConcurrencyLimiter):
     @property
     def seating(self) -> bool:
         """Whether this search seats members (it knows the trainable, and Ray runs)."""
-        return self._trainable is not None and ray.is_initialized()
+        return self._task_id is not None and ray.is_initialized()
 
     # -- drawing and seating -------------------------------------------------
     def _size_for_cluster(self) -> None:
@@ -282,6 +295,9 @@ class ChorusSearch(ConcurrencyLimiter):
 
     def _top_up(self) -> None:
         """Keep ``lookahead`` suggestions drawn and seated while the budget lasts."""
+        self._seat(self._draw())  # in one go: seated together, they train together
+
+    def _draw(self) -> List[Tuple[str, Dict]]:
         drawn = []
         while (not self._exhausted and not self._budget_spent()
                and len(self._unbound) < self.lookahead):
@@ -289,7 +305,7 @@ class ChorusSearch(ConcurrencyLimiter):
             if pulled is None:
                 break
             drawn.append(pulled)
-        self._seat(drawn)  # in one go: seated together, they train together
+        return drawn
 
     def _pull(self) -> Optional[Tuple[str, Dict]]:
         item_id = f"{self._prefix}{self._pulled:05d}"
@@ -306,7 +322,8 @@ class ChorusSearch(ConcurrencyLimiter):
 
     def _plan(self):
         budget = self.max_iterations
-        return self._options.plan(run_plan.announced(), budget=budget, stop_at=self._stop_at)
+        return self._options.plan(run_plan.announced(), budget=budget, stop_at=self._stop_at,
+                                  stop_criteria=self._stop_criteria)
 
     def _seat(self, drawn: List[Tuple[str, Dict]]) -> None:
         if not self.seating or not drawn:
@@ -314,7 +331,6 @@ class ChorusSearch(ConcurrencyLimiter):
         from .options import member_seed
         from .pool import NEED_TASK, get_pool
 
-        trainable = self._trainable
         pool = get_pool(create=True)
         seats = []
         for item_id, config in drawn:
@@ -322,9 +338,11 @@ class ChorusSearch(ConcurrencyLimiter):
             # The seed is fixed now, before any trial exists: chorus/seed reports
             # it, and reference.train(task, config, seed) replays the member.
             seats.append((item_id, clean, member_seed(clean, self._seed_name(item_id))))
-        args = [seats, trainable._task_id, None, self._options, self._plan()]
+        args = [seats, self._task_id, None, self._options, self._plan()]
         if ray.get(pool.seat.remote(*args)) == NEED_TASK:
-            args[2] = trainable._task_blob
+            if self._task_blob is None:
+                raise RuntimeError(f"the pool lost task {self._task_id} that ChorusSearch learnt from its scout")
+            args[2] = self._task_blob
             ray.get(pool.seat.remote(*args))
         if self._options.auto and self._bucket_size_given is None:
             self._learn_bucket_size(pool, seats[0][1])
@@ -333,13 +351,69 @@ class ChorusSearch(ConcurrencyLimiter):
         # An "auto" size is measured when the first members are seated; look
         # far enough ahead to fill buckets of the size measured, not guessed.
         try:
-            size = ray.get(pool.bucket_size_for.remote(self._trainable._task_id, self._options, config))
+            size = ray.get(pool.bucket_size_for.remote(self._task_id, self._options, config))
         except Exception:  # noqa: BLE001 - the seated members carry the error to their trials
             return
         if size != self.bucket_size:
             self.bucket_size = size
             if self._lookahead_given is None:
                 self._size_for_cluster()
+
+    # -- learning the task from the first trial -------------------------------
+    def _send_scout(self, trial_id: str) -> Optional[Dict]:
+        """Hand Tune one trial whose first step teaches the pool the task. Its
+        member is seated as any other (this search's seed), but placed only
+        with the members seated next, so it trains, and meets its rungs, with
+        them."""
+        from .options import member_seed
+        from .pool import get_pool
+
+        pulled = self._pull()
+        if pulled is None:
+            if self._exhausted or self._budget_spent():
+                return Searcher.FINISHED
+            return None
+        item_id, config = pulled
+        clean = {k: v for k, v in config.items() if not k.startswith("__")}
+        seat = (item_id, clean, member_seed(clean, self._seed_name(item_id)))
+        ray.get(get_pool(create=True).expect_scout.remote(trial_id, seat))
+        self._scout = trial_id
+        self._unbound = [(i, c) for i, c in self._unbound if i != item_id]
+        self._inner_id[trial_id] = item_id
+        self.live_trials.add(trial_id)
+        self.num_unfinished_live_trials += 1
+        return copy.deepcopy(config)
+
+    def _learn_from_scout(self) -> bool:
+        """Whether the scout's task is known now (asking the pool); once it is,
+        seat the scout's member with the first cohort."""
+        from .pool import get_pool
+
+        learnt = ray.get(get_pool(create=True).scout_task.remote(self._scout))
+        if learnt is None:
+            return False
+        self._task_id, self._options = learnt
+        self._learning, self._learnt = False, True
+        if self._bucket_size_given is None:
+            self.bucket_size = self._options.expected_size
+        if self.max_buckets is None:
+            self.max_buckets = self._options.max_buckets
+        if self._lookahead_given is None:
+            self.lookahead = 2 * self.bucket_size
+        self._size_for_cluster()
+        # The scout (a running trial) is seated with the first cohort, in one go.
+        self._reseat(draw=True)
+        logger.info("ChorusSearch learnt its task from trial %s; %d members seated", self._scout,
+                    len(self._unbound) + len(self._inner_id))
+        return True
+
+    def _stop_learning(self, why: str) -> None:
+        self._learning = False
+        logger.warning(
+            "ChorusSearch has no task= and could not learn one: %s. It runs as a plain concurrency "
+            "limiter, seating nothing, so members are not trained ahead of their trials and ChorusASHA "
+            "cannot halve cohorts. Give ChorusSearch(task=<the ChorusTrainable class given to tune.Tuner>).",
+            why)
 
     def _seed_name(self, item_id: str) -> str:
         """What a member's default seed derives from (its config's ``seed`` wins)."""
@@ -359,9 +433,10 @@ class ChorusSearch(ConcurrencyLimiter):
         self._unbound = [(i, c) for i, c in self._unbound if i != chosen]
         return chosen
 
-    def _reseat(self) -> None:
+    def _reseat(self, draw: bool = False) -> None:
         """Seat what this search holds in this driver's pool: after a restore,
-        the pool is new (its buckets died with the old driver)."""
+        the pool is new (its buckets died with the old driver); after a scout
+        taught the task, nothing is seated yet. ``draw``: top up in the same go."""
         self._seated_here = True
         if not self.seating:
             return
@@ -370,7 +445,7 @@ class ChorusSearch(ConcurrencyLimiter):
         # Trials Tune created but that have not finished are re-seated with
         # their seeds (a checkpoint one resumes from replaces the seated state).
         running = [(item_id, self._configs[item_id]) for item_id in self._inner_id.values()]
-        self._seat(running + list(self._unbound))
+        self._seat(running + list(self._unbound) + (self._draw() if draw else []))
         pool = get_pool(create=True)
         for trial_id, item_id in self._inner_id.items():
             if ray.get(pool.bind.remote(trial_id, [item_id])) is None:
@@ -378,7 +453,7 @@ class ChorusSearch(ConcurrencyLimiter):
                 ray.get(pool.leave.remote(item_id))
 
     # -- save / restore ------------------------------------------------------
-    _NOT_SAVED = ("searcher", "_trainable", "_seated_here")
+    _NOT_SAVED = ("searcher", "_seated_here", "_task_blob")
 
     def get_state(self) -> Dict:
         state = {k: v for k, v in self.__dict__.items() if k not in self._NOT_SAVED}
@@ -387,6 +462,10 @@ class ChorusSearch(ConcurrencyLimiter):
     def set_state(self, state: Dict) -> None:
         self.__dict__.update(state)
         self._seated_here = False
+        if self._learnt:
+            # A new pool has never seen the task, and this search never had its
+            # bytes: learn it again, from the first trial of the restored run.
+            self._learning, self._scout, self._task_id = True, None, None
 
     def save(self, checkpoint_path: str) -> None:
         """Buffer, id maps and the inner searcher's own state, in one file."""

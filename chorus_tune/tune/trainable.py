@@ -44,7 +44,7 @@ class ChorusTrainable(Trainable):
     buckets as bytes that trial actors never unpickle), or subclass with a
     ``task`` class attribute. Class attributes (and ``for_task`` keywords) are
     the fields of :class:`BucketOptions`: ``bucket_size``,
-    ``resources_per_bucket``, ``route``, ``run_ahead``, ``max_iterations``,
+    ``resources_per_bucket``, ``route``, ``run_ahead``, ``speculate``, ``max_iterations``,
     ``ahead_memory_mb``, ``gather_s``, ``result_timeout_s``,
     ``reap_interval_s``, ``idle_close_s``, ``max_buckets``, ``compact``,
     ``compact_after_s``, ``max_bucket_size``, ``memory_fraction``,
@@ -66,6 +66,7 @@ class ChorusTrainable(Trainable):
     resources_per_bucket: dict | None = None
     route: str = BucketOptions.route
     run_ahead: int = BucketOptions.run_ahead
+    speculate: bool = BucketOptions.speculate
     max_iterations: int | None = BucketOptions.max_iterations
     ahead_memory_mb: float = BucketOptions.ahead_memory_mb
     gather_s: float = BucketOptions.gather_s

@@ -1,0 +1,140 @@
+"""When Tune decides, the bucket speculates (Ray-free): members train on to the
+run's cap without waiting for their trials, except past the iterations where
+the bucket has seen Tune stop trials early (docs/design.md D4)."""
+from __future__ import annotations
+
+from chorus_tune.tune.members import MemberBook, Phase, Plan, StopRecord
+from chorus_tune.tune.options import BucketOptions
+from chorus_tune.tune.run_plan import stop_terms
+from test_members import book_with, run, run_until_idle
+
+
+def read_all(book: MemberBook, member: str) -> int:
+    """The member's trial reads every result that is ready; returns how many."""
+    n = 0
+    while book.ask(member) is not None:
+        n += 1
+    return n
+
+
+def test_with_a_cap_and_nothing_learnt_members_train_to_the_cap_without_their_trials():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 4)
+    assert run_until_idle(book) == 10
+    assert all(book.get(f"m{i}").phase is Phase.FINISHED for i in range(4))
+
+
+def test_a_fifo_run_read_to_the_cap_wastes_nothing():
+    book = book_with(Plan(run_ahead=2, budget=6, speculate=True), 3)
+    run_until_idle(book)
+    for i in range(3):
+        book.attach(f"m{i}")
+        assert read_all(book, f"m{i}") == 6
+        book.leave(f"m{i}")
+    assert book.wasted == 0 and book.stops.points == ()
+
+
+def test_without_speculation_the_run_ahead_bound_holds_under_a_cap():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=False), 2)
+    assert run_until_idle(book) == 2
+
+
+def test_without_a_cap_speculation_keeps_the_run_ahead_bound():
+    book = book_with(Plan(run_ahead=2, speculate=True), 2)
+    assert run_until_idle(book) == 2
+
+
+def test_run_ahead_zero_stays_strict_lockstep_under_speculation():
+    book = book_with(Plan(run_ahead=0, budget=10, speculate=True), 1)
+    assert run_until_idle(book) == 0
+
+
+def test_a_trial_stopped_early_teaches_the_bucket_a_decision_point():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 1)
+    book.attach("m0")
+    run(book)
+    assert book.ask("m0").iteration == 1
+    book.leave("m0")  # Tune stopped it after reading iteration 1
+    assert book.stops.points == (1,)
+
+
+def test_members_wait_at_a_learnt_decision_point_for_their_trials():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 3)
+    book.stops.stop(1)
+    assert run_until_idle(book) == 1
+    assert [book.get(f"m{i}").produced for i in range(3)] == [1, 1, 1]
+    # Tune continued m0 past 1: it trains on, to the cap (no point ahead is known).
+    book.attach("m0")
+    assert book.ask("m0").iteration == 1
+    assert book.ask("m0") is None
+    run_until_idle(book)
+    assert book.get("m0").produced == 10 and book.get("m1").produced == 1
+
+
+def test_a_continued_trial_speculates_only_to_the_next_learnt_point():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 1)
+    book.stops.stop(1)
+    book.stops.stop(4)
+    book.attach("m0")
+    run(book)
+    book.ask("m0")
+    book.ask("m0")  # continued past 1
+    run_until_idle(book)
+    assert book.get("m0").produced == 4
+
+
+def test_a_finished_member_leaving_teaches_nothing():
+    book = book_with(Plan(run_ahead=2, budget=3, speculate=True), 1)
+    book.attach("m0")
+    run_until_idle(book)
+    read_all(book, "m0")
+    book.leave("m0")
+    assert book.stops.points == ()
+
+
+def test_a_member_never_read_leaving_teaches_nothing():
+    book = book_with(Plan(run_ahead=2, budget=3, speculate=True), 1)
+    run(book)
+    book.leave("m0")  # seated, never bound to a trial: the sweep ended first
+    assert book.stops.points == ()
+
+
+def test_a_rare_early_stop_among_many_continues_is_not_a_decision_point():
+    stops = StopRecord(min_stop_rate=0.1)
+    for _ in range(20):
+        stops.cont(3)
+    stops.stop(3)  # one trial killed at 3 in a FIFO run
+    assert stops.points == ()
+    assert stops.next_point(1) is None
+
+
+def test_a_point_is_unlearnt_when_continues_outweigh_its_stops():
+    stops = StopRecord(min_stop_rate=0.5)
+    stops.stop(2)
+    assert stops.points == (2,)
+    stops.cont(2)
+    stops.cont(2)
+    assert stops.points == ()
+
+
+def test_a_stop_criterion_on_a_member_metric_finishes_the_member_there():
+    # Tune's rule: stop at the first result with result[key] >= value.
+    plan = Plan(run_ahead=2, budget=10, speculate=True, stop_criteria=(("val_loss", 0.6),))
+    book = book_with(plan, 2)
+    run(book, scores={"m0": 0.7, "m1": 0.5})
+    assert book.get("m0").phase is Phase.FINISHED
+    assert book.get("m0").queue[-1].result["done"] is True
+    assert book.get("m1").phase is Phase.TRAINING
+
+
+def test_stop_terms_read_tunes_stop_dict():
+    assert stop_terms({"training_iteration": 10}) == (10, ())
+    assert stop_terms({"training_iteration": 9.5, "val_accuracy": 0.9}) == (10, (("val_accuracy", 0.9),))
+    assert stop_terms(None) == (None, ())
+    assert stop_terms({"flag": True}) == (None, ())
+
+
+def test_the_options_plan_of_a_stop_dict_speculates_to_its_cap():
+    plan = BucketOptions().plan(stop_at=10, stop_criteria=(("val_accuracy", 0.99),))
+    assert plan.budget == 10 and plan.speculate and not plan.bucket_decides
+    assert plan.stop_criteria == (("val_accuracy", 0.99),)
+    assert not BucketOptions(speculate=False).plan(stop_at=10).speculate
