@@ -3,10 +3,11 @@ run's cap without waiting for their trials, except past the iterations where
 the bucket has seen Tune stop trials early (docs/design.md D4)."""
 from __future__ import annotations
 
+from test_members import book_with, run, run_until_idle
+
 from chorus_tune.tune.members import MemberBook, Phase, Plan, StopRecord
 from chorus_tune.tune.options import BucketOptions
 from chorus_tune.tune.run_plan import stop_terms
-from test_members import book_with, run, run_until_idle
 
 
 def read_all(book: MemberBook, member: str) -> int:

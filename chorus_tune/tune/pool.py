@@ -228,10 +228,10 @@ class ChorusPool:
 
     def _hold_scout(self, trial_id: str, task_id_: str, options: BucketOptions) -> str:
         member, config, seed = self._scouts.pop(trial_id)
+        self._scout_tasks[trial_id] = (task_id_, options)  # learnt, even if this config cannot be built
         key = self._key(task_id_, options, config)  # the factory's error, for the scout's trial
         self.seats[member] = Join(config=dict(config), seed=int(seed), plan=options.plan())
         self.bound[trial_id] = member
-        self._scout_tasks[trial_id] = (task_id_, options)
         timer = asyncio.get_running_loop().call_later(
             SCOUT_WAIT_S, lambda: asyncio.get_running_loop().create_task(self._place_held(member)))
         self._held[member] = (key, timer)

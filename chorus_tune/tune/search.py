@@ -11,6 +11,7 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -24,6 +25,12 @@ from . import run_plan
 from .resources import bucket_budget, bucket_resources
 
 logger = logging.getLogger(__name__)
+
+# A scout that has not reached the pool after this long is given up on (its
+# trainable is not a ChorusTrainable, or its actor cannot start): the run goes
+# on unseated, saying so. Measured: a scout's first step reaches the pool 2-5 s
+# after Tune creates it on a loaded 2-core machine.
+SCOUT_TIMEOUT_S = 60.0
 
 
 
@@ -222,7 +229,7 @@ class ChorusSearch(ConcurrencyLimiter):
         if self._learning and ray.is_initialized():
             if self._scout is None:
                 return self._send_scout(trial_id)
-            if not self._learn_from_scout():
+            if not self._learn_from_scout() and self._learning:
                 return None  # Tune asks again; the scout's first step teaches the task
         if not self._seated_here:
             self._reseat()
@@ -367,7 +374,13 @@ class ChorusSearch(ConcurrencyLimiter):
         them."""
         from .options import member_seed
         from .pool import get_pool
+        from .trainable import task_classes_exist
 
+        if not task_classes_exist():
+            # No ChorusTrainable in this process: the run's trainable is a plain
+            # one, and this search is a concurrency limiter that samples.
+            self._learning = False
+            return self.suggest(trial_id)
         pulled = self._pull()
         if pulled is None:
             if self._exhausted or self._budget_spent():
@@ -378,6 +391,7 @@ class ChorusSearch(ConcurrencyLimiter):
         seat = (item_id, clean, member_seed(clean, self._seed_name(item_id)))
         ray.get(get_pool(create=True).expect_scout.remote(trial_id, seat))
         self._scout = trial_id
+        self._scout_sent = time.monotonic()
         self._unbound = [(i, c) for i, c in self._unbound if i != item_id]
         self._inner_id[trial_id] = item_id
         self.live_trials.add(trial_id)
@@ -391,6 +405,8 @@ class ChorusSearch(ConcurrencyLimiter):
 
         learnt = ray.get(get_pool(create=True).scout_task.remote(self._scout))
         if learnt is None:
+            if time.monotonic() - self._scout_sent > SCOUT_TIMEOUT_S:
+                self._stop_learning(f"its first trial {self._scout} did not reach a bucket in {SCOUT_TIMEOUT_S:.0f} s")
             return False
         self._task_id, self._options = learnt
         self._learning, self._learnt = False, True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from typing import Any
 
 import ray
@@ -30,6 +31,13 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT = 1
 _LEAVE_TIMEOUT_S = 30.0
+# Every ChorusTrainable class with a task made in this process: a ChorusSearch
+# without task= sends a scout only if the run's trainable can be one of these.
+_TASK_CLASSES: "weakref.WeakSet[type]" = weakref.WeakSet()
+
+
+def task_classes_exist() -> bool:
+    return len(_TASK_CLASSES) > 0
 
 
 class BucketLost(RuntimeError):
@@ -92,6 +100,8 @@ class ChorusTrainable(Trainable):
             cls._task_blob = cloudpickle.dumps(task)
             cls._factory_blob = cloudpickle.dumps(task.model)
             cls._task_id = task_id(cls._task_blob)
+        if cls.__dict__.get("_task_blob") is not None:
+            _TASK_CLASSES.add(cls)
 
     @classmethod
     def for_task(cls, task: Any, bucket_size: int | str = 16, name: str = "ChorusTrainable",
