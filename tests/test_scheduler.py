@@ -135,3 +135,46 @@ def test_a_stopper_below_max_t_is_the_buckets_budget():
     schedule = sched.rung_schedule()
     assert schedule.max_t == 6 and schedule.rungs == (1, 4)
     run_plan.clear()
+
+
+class _ChorusTrial(_Trial):
+    def get_trainable_cls(self):
+        from chorus_tune.tune.trainable import ChorusTrainable
+
+        return ChorusTrainable
+
+
+def _no_rungs_sched():
+    # Two brackets: no rungs a bucket decides, so on_trial_add sends nothing to a pool.
+    return ChorusASHA(metric="val_loss", mode="min", max_t=16, reduction_factor=4, brackets=2)
+
+
+def test_without_a_cohort_seating_search_it_warns_once_what_is_lost(caplog):
+    run_plan.clear()
+    sched = _no_rungs_sched()
+    sched.set_search_properties(None, None)
+    with caplog.at_level("WARNING", logger="chorus_tune.tune.schedulers"):
+        for t in ("a", "b", "c"):
+            sched.on_trial_add(None, _ChorusTrial(t))
+    warnings = [r for r in caplog.records if "ChorusSearch" in r.getMessage()]
+    assert len(warnings) == 1
+    assert "one trial at a time" in warnings[0].getMessage()
+
+
+def test_with_chorus_search_seating_cohorts_it_does_not_warn(caplog):
+    run_plan.clear()
+    run_plan.search_seats_cohorts()  # what ChorusSearch.set_search_properties says first
+    sched = _no_rungs_sched()
+    sched.set_search_properties(None, None)
+    with caplog.at_level("WARNING", logger="chorus_tune.tune.schedulers"):
+        sched.on_trial_add(None, _ChorusTrial("a"))
+    assert not [r for r in caplog.records if "ChorusSearch" in r.getMessage()]
+
+
+def test_on_a_plain_trainable_it_does_not_warn(caplog):
+    run_plan.clear()
+    sched = _no_rungs_sched()
+    sched.set_search_properties(None, None)
+    with caplog.at_level("WARNING", logger="chorus_tune.tune.schedulers"):
+        sched.on_trial_add(None, _Trial("a"))
+    assert not caplog.records
