@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from test_members import book_with, run, run_until_idle
 
-from chorus_tune.tune.members import MemberBook, Phase, Plan, StopRecord
+from chorus_tune.tune.members import MemberBook, Phase, Plan, StopRecord, sum_counts
 from chorus_tune.tune.options import BucketOptions
 from chorus_tune.tune.run_plan import stop_terms
 
@@ -139,3 +139,22 @@ def test_the_options_plan_of_a_stop_dict_speculates_to_its_cap():
     assert plan.budget == 10 and plan.speculate and not plan.bucket_decides
     assert plan.stop_criteria == (("val_accuracy", 0.99),)
     assert not BucketOptions(speculate=False).plan(stop_at=10).speculate
+
+
+def test_decision_points_seen_in_other_buckets_of_the_run_count_here():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 2)
+    book.stops.seen_elsewhere({1: 3}, {1: 1})
+    assert run_until_idle(book) == 1
+
+
+def test_continues_seen_here_and_elsewhere_are_judged_together():
+    stops = StopRecord(min_stop_rate=0.5)
+    stops.seen_elsewhere({2: 1}, {})
+    assert stops.points == (2,)
+    stops.cont(2)
+    stops.cont(2)
+    assert stops.points == ()
+
+
+def test_counts_of_several_buckets_add_up():
+    assert sum_counts([{1: 2}, {1: 1, 4: 1}]) == {1: 3, 4: 1}

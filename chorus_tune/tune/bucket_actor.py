@@ -274,6 +274,7 @@ class ChorusBucket:
                 self.retired.popitem(last=False)
         self.clients.pop(member, None)
         wasted = self.book.wasted
+        stops = dict(self.book.stops.stopped)
         if record.in_slot:
             async with self._lock:  # slots change only between iterations
                 slot = self.book.leave(member)
@@ -284,11 +285,19 @@ class ChorusBucket:
         if self.book.wasted > wasted:
             logger.info("%s: member %s left with %d result(s) unread, wasted %d", self.name, member,
                         self.book.wasted - wasted, self.book.wasted)
+        if self.book.stops.stopped != stops and self._pool is not None:
+            # Tune stopped a trial early: the run's other buckets learn it too.
+            self._pool.stops_seen.remote(self.name, self.book.stops.stopped, self.book.stops.continued)
         self._resolve(member)
         self.metrics.members(self.live, self.core.capacity)
         self.metrics.wasted(self.book.wasted)
         self._poke()
         return True
+
+    async def stops_elsewhere(self, stopped: dict[int, int], continued: dict[int, int]) -> None:
+        """Where Tune stopped the run's trials in its other buckets (from the pool)."""
+        self.book.stops.seen_elsewhere(stopped, continued)
+        self._poke()
 
     async def save(self, member: str) -> bytes | None:
         """``member``'s portable state at the last result its trial read

@@ -149,6 +149,19 @@ class MemberRecord:
         return self.phase in (Phase.LEFT, Phase.FAILED)
 
 
+def _add_counts(*counts: dict[int, int]) -> dict[int, int]:
+    total: dict[int, int] = {}
+    for count in counts:
+        for key, n in count.items():
+            total[key] = total.get(key, 0) + n
+    return total
+
+
+def sum_counts(counts: Iterable[dict[int, int]]) -> dict[int, int]:
+    """Per-iteration counts of several buckets, added up."""
+    return _add_counts(*counts)
+
+
 class StopRecord:
     """Where Tune stops this bucket's trials early: the learned decision points.
 
@@ -161,12 +174,17 @@ class StopRecord:
     a FIFO run for good). Stock ASHA and HyperBand stop at their rungs only, so
     their rungs are learned from the first trials they stop; a stopper that
     ends every trial at *n* is learned as a point at *n*.
+
+    The scheduler is the run's, so the buckets of a run share what they see:
+    ``elsewhere`` holds the counts of the run's other buckets (the pool sums
+    and forwards them), and a point is judged on all of them together.
     """
 
     def __init__(self, min_stop_rate: float = 0.1):
         self.min_stop_rate = min_stop_rate
         self.stopped: dict[int, int] = {}
         self.continued: dict[int, int] = {}
+        self.elsewhere: tuple[dict[int, int], dict[int, int]] = ({}, {})
         self._points: list[int] = []
 
     def stop(self, iteration: int) -> None:
@@ -177,13 +195,20 @@ class StopRecord:
     def cont(self, iteration: int) -> None:
         if iteration >= 1:
             self.continued[iteration] = self.continued.get(iteration, 0) + 1
-            if iteration in self.stopped:
+            if iteration in self.stopped or iteration in self.elsewhere[0]:
                 self._learn()
 
+    def seen_elsewhere(self, stopped: dict[int, int], continued: dict[int, int]) -> None:
+        """The counts of the run's other buckets (replacing the last ones)."""
+        self.elsewhere = ({int(k): v for k, v in stopped.items()}, {int(k): v for k, v in continued.items()})
+        self._learn()
+
     def _learn(self) -> None:
+        stopped, continued = _add_counts(self.stopped, self.elsewhere[0]), _add_counts(self.continued,
+                                                                                       self.elsewhere[1])
         self._points = sorted(
-            t for t, n in self.stopped.items()
-            if n / (n + self.continued.get(t, 0)) >= self.min_stop_rate)
+            t for t, n in stopped.items()
+            if n / (n + continued.get(t, 0)) >= self.min_stop_rate)
 
     @property
     def points(self) -> tuple[int, ...]:

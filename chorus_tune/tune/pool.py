@@ -31,7 +31,7 @@ from ray.exceptions import RayActorError
 
 from .cluster import node_cpus, pool_scheduling_strategy
 from .grouping import GroupKey, should_compact
-from .members import Plan
+from .members import Plan, sum_counts
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
 from .resources import bucket_actor_options, bucket_budget, bucket_resources, shared_threads
@@ -113,6 +113,8 @@ class ChorusPool:
         self._scouts: dict[str, tuple[str, dict, int]] = {}
         self._scout_tasks: dict[str, tuple[str, BucketOptions]] = {}
         self._held: dict[str, tuple[GroupKey, Any]] = {}  # member -> (its key, the fallback timer)
+        # Where Tune stopped trials early, per bucket (members.StopRecord): shared across the run.
+        self._stops: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
         self._started = False
 
     def __repr__(self) -> str:
@@ -326,6 +328,20 @@ class ChorusPool:
             if future is not None and not future.done():
                 future.set_exception(exc)
 
+    # ----- what the run's buckets learn of Tune's decisions ----------------------------------------
+    async def stops_seen(self, name: str, stopped: dict[int, int], continued: dict[int, int]) -> None:
+        """Bucket ``name`` saw Tune stop a trial early: tell the run's other buckets."""
+        self._stops[name] = (dict(stopped), dict(continued))
+        for other in list(self.handles):
+            if other != name:
+                self._send_stops(other)
+
+    def _send_stops(self, name: str) -> None:
+        others = [counts for bucket, counts in self._stops.items() if bucket != name]
+        if others and name in self.handles:
+            self.handles[name].stops_elsewhere.remote(sum_counts(c[0] for c in others),
+                                                      sum_counts(c[1] for c in others))
+
     async def _realize(self, placed: Placed) -> str:
         """Make a placement real: create the bucket actor if new, and have it
         expect the member (and build it now, when it is seated)."""
@@ -346,6 +362,7 @@ class ChorusPool:
             ).remote(name, self.blobs[tid], bucket_options, model_name, ray.get_runtime_context().current_actor,
                      capacity_fit=fit)
             self.handles[name] = handle
+            self._send_stops(name)  # a bucket opened mid-run knows the decision points already
             self._share_cores()
             self.history[name] = {"model": model_name, "bucket_size": record.capacity,
                                   "capacity": record.capacity, "trials": record.ever,
