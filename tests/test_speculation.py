@@ -158,3 +158,32 @@ def test_continues_seen_here_and_elsewhere_are_judged_together():
 
 def test_counts_of_several_buckets_add_up():
     assert sum_counts([{1: 2}, {1: 1, 4: 1}]) == {1: 3, 4: 1}
+
+
+def test_held_members_ride_along_in_an_iteration_that_runs_anyway():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 3)
+    book.stops.stop(1)
+    run_until_idle(book)  # all at the point 1
+    book.attach("m0")
+    book.ask("m0")
+    book.ask("m0")  # Tune continued m0: it needs iteration 2
+    chosen, _ = book.next_iteration(0.0, ride=True)
+    assert sorted(r.member for r in chosen) == ["m0", "m1", "m2"]
+    chosen, _ = book.next_iteration(0.0, ride=False)
+    assert [r.member for r in chosen] == ["m0"]
+
+
+def test_riders_alone_never_start_an_iteration():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 2)
+    book.stops.stop(1)
+    run_until_idle(book)
+    assert book.next_iteration(0.0, ride=True) == ([], None)
+
+
+def test_nothing_rides_past_its_cap_or_without_one():
+    book = book_with(Plan(run_ahead=2, speculate=True), 1)  # no cap known
+    book.reserve("c", Plan(run_ahead=2, budget=1, speculate=True))
+    book.place("c", slot=1, iteration=1)
+    book.reserve("n", Plan(run_ahead=2, budget=10, speculate=True))
+    book.place("n", slot=2, iteration=0)
+    assert [r.member for r in book.riders([book.get("n")])] == []

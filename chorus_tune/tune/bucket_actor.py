@@ -414,7 +414,7 @@ class ChorusBucket:
     async def _iterate(self) -> None:
         async with self._lock:
             # Membership may have changed while the lock was held elsewhere.
-            chosen, _ = self.book.next_iteration(time.monotonic(), gather=False)
+            chosen, _ = self.book.next_iteration(time.monotonic(), gather=False, ride=self._rows_cost_alike())
             if not chosen:
                 return
             self.book.started(chosen)
@@ -451,6 +451,12 @@ class ChorusBucket:
         for member in finished:
             self._notify_pool(member, "finished")
         self._report(len(out), in_slots, capacity, batch, seconds)
+
+    def _rows_cost_alike(self) -> bool:
+        """Whether the fused step computes every row of the stack, trained or
+        masked (the vmap routes, unless out-of-memory recovery gathers groups):
+        then members held at a decision point ride along for free."""
+        return self.core.route in ("vmap", "compiled") and self.core.max_group is None
 
     def _train(self, slots: list[int]) -> tuple[dict[int, dict], dict[int, dict]]:
         out = self.core.run_iteration(slots)

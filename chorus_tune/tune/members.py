@@ -350,12 +350,36 @@ class MemberBook:
                 and record.produced >= self.limit(record)
                 and (record.plan.budget is None or record.produced < record.plan.budget))
 
-    def next_iteration(self, now: float, gather: bool = True) -> tuple[list[MemberRecord], float | None]:
+    def riders(self, chosen: list[MemberRecord]) -> list[MemberRecord]:
+        """Members that may ride along in an iteration that runs anyway: held
+        back only at a learnt decision point (their trial's decision is Tune's
+        and not made yet), still short of their cap. Where the fused step
+        computes every row of the stack, masked or not, a rider costs nothing
+        but its result's snapshot; if Tune then stops its trial at the point,
+        what it rode is wasted (at most cap - point iterations, counted)."""
+        picked = {r.member for r in chosen}
+        out = []
+        for record in self.in_slots():
+            plan = record.plan
+            if (record.member in picked or record.phase is not Phase.TRAINING or not plan.speculate
+                    or plan.bucket_decides or plan.run_ahead == 0 or plan.budget is None):
+                continue
+            cap = min(plan.budget, record.taken + self.max_queue)
+            if record.hold_at is not None:
+                cap = min(cap, record.hold_at)
+            if record.produced < cap:
+                out.append(record)
+        return out
+
+    def next_iteration(self, now: float, gather: bool = True,
+                       ride: bool = False) -> tuple[list[MemberRecord], float | None]:
         """Who trains in the next fused iteration, or how long to wait first.
 
         Returns ``(members, None)`` to run now, ``([], seconds)`` to look again
         after ``seconds`` (gathering), ``([], None)`` when nobody can train.
         ``gather=False``: who may train now, without waiting for anyone.
+        ``ride``: an iteration that runs takes its :meth:`riders` along (say so
+        when a masked row costs as much as a trained one).
         """
         runnable = self.runnable()
         if not runnable:
@@ -371,7 +395,7 @@ class MemberBook:
         remaining = self._ready_since + self.gather_s - now
         if gather and waiting_for and remaining > 0:
             return [], remaining
-        return runnable, None
+        return (runnable + self.riders(runnable) if ride else runnable), None
 
     def started(self, trained: Iterable[MemberRecord]) -> None:
         """An iteration starts with ``trained``: members left out while their
