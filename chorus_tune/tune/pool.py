@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Any, Hashable
 
@@ -85,6 +86,12 @@ class ChorusPool:
     """
 
     def __init__(self, job_id: str):
+        # The first seat unpickles the task (which imports torch, about 1.5
+        # CPU-s) and builds a model on the meta device for its structural key:
+        # that lies on the path to the first bucket. The pool is created while
+        # Tune sets up the run, so import now, beside the event loop (a request
+        # that needs torch meanwhile waits on the import lock, never imports twice).
+        threading.Thread(target=_preload_torch, name="chorus-pool-preload", daemon=True).start()
         self.job_id = job_id
         self.placement: Placement | None = None
         self.tasks: dict[str, Any] = {}
@@ -711,6 +718,13 @@ def _log_size(key: GroupKey, done: asyncio.Future) -> None:
     if done.exception() is None:
         fit = done.result()
         logger.info("pool: bucket size %d for %s (%s: %s)", fit.k, key.model_name, fit.source, fit.reason)
+
+
+def _preload_torch() -> None:
+    try:
+        import chorus_tune.task  # noqa: F401  (imports torch)
+    except Exception:  # noqa: BLE001 - only a head start: the real import reports any error
+        pass
 
 
 PoolActor = ray.remote(ChorusPool)
