@@ -180,6 +180,12 @@ def rotated(ways: Sequence[str], turn: int) -> list[str]:
     return list(ways[k:]) + list(ways[:k])
 
 
+def runs_on(way: str, row: RowSpec) -> bool:
+    """Whether ``way`` runs on ``row``: ``chorus-maxit`` only on FIFO rows (elsewhere it
+    would be ``chorus`` again: max_iterations says FIFO)."""
+    return way != "chorus-maxit" or row.scheduler == "fifo"
+
+
 def schedule(rows: Sequence[RowSpec], ways: Sequence[str], repeats: int, warmup: int) -> list[tuple[int, int, str]]:
     """Every run of the invocation, in order: ``(repeat, row index, way)``; repeat 0 is
     a warm-up. The warm-ups run first, ``warmup`` per way, on each workload's first row
@@ -195,8 +201,8 @@ def schedule(rows: Sequence[RowSpec], ways: Sequence[str], repeats: int, warmup:
         for w in range(warmup):
             runs += [(0, i, way) for way in rotated(ways, w)]
     for r in range(1, repeats + 1):
-        for i in range(len(rows)):
-            runs += [(r, i, way) for way in rotated(ways, r - 1 + i)]
+        for i, row in enumerate(rows):
+            runs += [(r, i, way) for way in rotated([w for w in ways if runs_on(w, row)], r - 1 + i)]
     return runs
 
 
@@ -657,6 +663,9 @@ def summarise(row: dict, outcomes: dict[str, list[Outcome]]) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
+    rows = [row for row in rows if "median_wall_s" in row]  # a row with no timed run yet has no figures
+    if not rows:
+        return
     ways = list(dict.fromkeys(w for row in rows for w in row["median_wall_s"]))
     columns = " ".join(f"{w + ' s':>12} {'best':>6}" for w in ways)
     head = f"{'workload':14} {'sched':>10} {'ep':>3} {'bucket':>6} " + columns
@@ -688,6 +697,7 @@ def markdown_table(rows: list[dict]) -> str:
     lines = ["| sweep | bucket | (a) plain | (b) chorus | (c) fused | (a)/(b) | (a)/(b) per member-epoch "
              "| member-epochs a / b / c | (b)/(c) | (b)-(c): start-up / rest | best a / b |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [row for row in rows if "median_wall_s" in row]
     names = {"fifo": "FIFO", "asha": "ChorusASHA (a: stock ASHA)", "stock-asha": "stock ASHA, both"}
     for row in rows:
         med, hit, me = row["median_wall_s"], row["budget_hit"], row["member_epochs"]
@@ -899,7 +909,7 @@ def main() -> None:
     with open(stem + ".md", "w") as fh:
         fh.write(table)
     print(table)
-    drawn = plot(rows, stem + ".png")
+    drawn = plot([row for row in rows if "median_wall_s" in row], stem + ".png")
     print(f"wrote {stem}.json, {stem}.md" + (f" and {stem}.png" if drawn else " (no matplotlib: no PNG)"))
 
 

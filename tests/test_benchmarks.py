@@ -59,6 +59,12 @@ def test_warm_ups_come_first_once_per_way_and_workload_then_every_row_repeats_in
     assert repeats == sorted(repeats)
 
 
+def test_the_max_iterations_column_runs_on_fifo_rows_only():
+    rows = [RowSpec("w", "fifo", 10, 16), RowSpec("w", "asha", 10, 16)]
+    runs = vs_tune.schedule(rows, ["chorus", "chorus-maxit"], repeats=2, warmup=0)
+    assert Counter((i, w) for _, i, w in runs) == {(0, "chorus"): 2, (0, "chorus-maxit"): 2, (1, "chorus"): 2}
+
+
 def test_rows_from_a_list_or_from_the_matrix():
     rows = vs_tune.parse_rows("fifo:10:16, stock-asha:10:32", ["synth-mlp64", "synth-mixed"])
     assert rows == [RowSpec("synth-mlp64", "fifo", 10, 16), RowSpec("synth-mlp64", "stock-asha", 10, 32),
