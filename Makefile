@@ -61,7 +61,7 @@ bench-tune: setup
 	$(BIN)/python benchmarks/vs_tune.py --workload synth-mlp64 --ways plain,chorus,fused \
 	    --rows $(BENCH_TUNE_ROWS) --repeats 3 --warmup 1 --out benchmarks/reported --name vs_tune-synth-tune-way
 	$(BIN)/python benchmarks/vs_tune.py --workload synth-mixed --ways plain,chorus,fused \
-	    --rows asha:10:16,stock-asha:10:16 --repeats 3 --warmup 1 --out benchmarks/reported \
+	    --rows asha:10:16 --repeats 3 --warmup 1 --out benchmarks/reported \
 	    --name vs_tune-synth-mixed
 
 # Tune's own cost per result, with and without its TensorBoard logger.
