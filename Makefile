@@ -51,15 +51,18 @@ bench-step: setup
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/fused_step.py --json benchmarks/results/fused_step.json
 
-# The README's plain-Tune comparison (32 width-64 MLPs on the synthetic set, buckets of 16 and 32;
-# plain Tune, chorus_tune, chorus_tune at run_ahead=0, the fused core): about 35 min on 2 cores.
+# The README's plain-Tune comparison, issue 18's rows in one invocation (32 width-64 MLPs on the
+# synthetic set, the Tune way on both sides: a stop dict, no max_iterations; plain Tune, chorus_tune,
+# the fused core; a warm-up per way, then 3 repeats interleaved, in rotated order, medians). The
+# cheap ASHA row goes first: the warm-ups run on it. Then issue 19's mixed sweep (widths x dropout x
+# lr x wd, ASHA). Writes JSON, a Markdown table and a PNG to benchmarks/reported/.
+BENCH_TUNE_ROWS = asha:10:16,asha:10:32,stock-asha:10:16,fifo:10:16,fifo:10:32,fifo:40:16,fifo:40:32
 bench-tune: setup
-	$(BIN)/python benchmarks/vs_tune.py --workload synth-mlp64 --bucket-size 16,32 --scheduler asha --epochs 10 \
-	    --repeats 2 --name vs_tune-synth-asha10
-	$(BIN)/python benchmarks/vs_tune.py --workload synth-mlp64 --bucket-size 16,32 --scheduler fifo --epochs 10 \
-	    --repeats 2 --name vs_tune-synth-fifo10
-	$(BIN)/python benchmarks/vs_tune.py --workload synth-mlp64 --bucket-size 16,32 --scheduler fifo --epochs 40 \
-	    --repeats 2 --name vs_tune-synth-fifo40
+	$(BIN)/python benchmarks/vs_tune.py --workload synth-mlp64 --ways plain,chorus,fused \
+	    --rows $(BENCH_TUNE_ROWS) --repeats 3 --warmup 1 --out benchmarks/reported --name vs_tune-synth-tune-way
+	$(BIN)/python benchmarks/vs_tune.py --workload synth-mixed --ways plain,chorus,fused \
+	    --rows asha:10:16 --repeats 3 --warmup 1 --out benchmarks/reported \
+	    --name vs_tune-synth-mixed
 
 # Tune's own cost per result, with and without its TensorBoard logger.
 bench-overhead: setup

@@ -17,6 +17,11 @@ one iteration of each, and the eager loop in each precision, in turn. Each
 fused time is set against the eager loop in its own precision, and against
 the first variant (``bf16`` against ``fp32``: the bf16 speed-up).
 
+The eager loop is uncompiled, so a ratio of a compiled variant (``fp32:compiled``)
+mixes compilation with fusion: ``--compiled-eager`` also times the K eager models
+each under ``torch.compile`` and reports every variant against that baseline too
+(``ratio_vs_compiled_eager``; the JSON's ``baseline`` says what each ratio divides).
+
     .venv/bin/python benchmarks/fused_step.py [--device cuda] [--optimizer sgd|adam|adamw]
         [--models mlp64,mlp128,mlp256,cnn,cnn3] [--variants fp32,bf16,fp32:compiled] [--threads N] [--json out.json]
 """
@@ -99,15 +104,17 @@ def time_fused(bucket: ct.Bucket, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def eager_runner(task: ct.Task, k: int, device: torch.device, precision: str = "fp32"):
-    """K models with torch.optim, trained one after another; returns a function that times one pass."""
+def eager_runner(task: ct.Task, k: int, device: torch.device, precision: str = "fp32", compiled: bool = False):
+    """K models with torch.optim, trained one after another; returns a function that times one pass.
+    ``compiled``: each model's forward (and so its backward) under ``torch.compile``, the
+    fair baseline for the compiled route; compiled in the warm-up pass, not timed."""
     train, _ = task.load_data()
     x, y = (t.to(device) for t in train.tensors)
     steps = task.iteration_steps
     models, opts, orders = [], [], []
     for c in configs(k, task.optimizer):
         m = task.build_model(c, c["seed"]).to(device).train()
-        models.append(m)
+        models.append(torch.compile(m) if compiled else m)
         opts.append(torch_optimizer(task.optimizer, m.parameters(), c))
         orders.append(ct.data.BatchOrder(len(x), task.batch_size, c["seed"]))
 
@@ -166,6 +173,8 @@ def main() -> None:
                         help="fused variants, comma-separated: precision[:route], e.g. fp32,bf16,fp32:compiled")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads (1 steadies timings on a shared machine)")
+    parser.add_argument("--compiled-eager", action="store_true",
+                        help="also time the K eager models under torch.compile, a baseline for the compiled route")
     parser.add_argument("--json", default=None, help="written after every row")
     args = parser.parse_args()
     if args.threads:
@@ -191,16 +200,21 @@ def main() -> None:
     workloads = {name: workloads[name] for name in wanted}
     env = environment(device)
     rows = []
+    # What each ratio divides: the K-model loop is uncompiled unless said otherwise.
+    baseline = {"ratio": "K torch.nn models with torch.optim, one after another, uncompiled, over fused"}
+    if args.compiled_eager:
+        baseline["ratio_vs_compiled_eager"] = "the same K models, each under torch.compile, over fused"
 
     def save() -> None:
         if args.json:
             with open(args.json + ".tmp", "w") as fh:
                 json.dump({**env, "steps": args.steps, "optimizer": args.optimizer, "variants": variants,
-                           "repeats": args.repeats, "rows": rows}, fh, indent=2)
+                           "repeats": args.repeats, "baseline": baseline, "rows": rows}, fh, indent=2)
             os.replace(args.json + ".tmp", args.json)
 
     print(f"device={device} ({env['device_name'] or env['cpu']}) driver={env['driver']} torch={torch.__version__} "
-          f"threads={torch.get_num_threads()} steps={args.steps} optimizer={args.optimizer} (best of {args.repeats})")
+          f"threads={torch.get_num_threads()} steps={args.steps} optimizer={args.optimizer} (best of {args.repeats}); "
+          f"eager = K uncompiled models" + (" (and compiled: --compiled-eager)" if args.compiled_eager else ""))
     if len(variants) == 1:
         print(f"{'model':8} {'K':>3} {'fused s':>9} {'eager s':>9} {'ratio':>7}  route")
     else:
@@ -211,13 +225,18 @@ def main() -> None:
         for k in (int(v) for v in args.ks.split(",")):
             buckets = {v: fused_bucket(task, k, device, v) for v in variants}
             eagers = {p: eager_runner(task, k, device, p) for p in precisions}
+            eagers_c = ({p: eager_runner(task, k, device, p, compiled=True) for p in precisions}
+                        if args.compiled_eager else {})
             fused = {v: float("inf") for v in variants}
             eager = {p: float("inf") for p in precisions}
+            eager_c = {p: float("inf") for p in eagers_c}
             for _ in range(args.repeats):  # interleaved, so drifting machine load hits all alike
                 for v in variants:
                     fused[v] = min(fused[v], time_fused(buckets[v], device))
                 for p in precisions:
                     eager[p] = min(eager[p], eagers[p]())
+                for p in eagers_c:
+                    eager_c[p] = min(eager_c[p], eagers_c[p]())
             route = {v: buckets[v].route for v in variants}
             ratio = {v: eager[parse_variant(v)[0]] / fused[v] for v in variants}
             row = dict(model=name, k=k, fused_s=fused[variants[0]], eager_s=eager[precisions[0]],
@@ -226,15 +245,21 @@ def main() -> None:
                 row.update(variants={v: dict(fused_s=fused[v], ratio=ratio[v], route=route[v],
                                              first_over_this=fused[variants[0]] / fused[v]) for v in variants},
                            eager_by_precision=eager)
+            if eager_c:
+                row.update(eager_compiled_by_precision=eager_c,
+                           ratio_vs_compiled_eager={v: eager_c[parse_variant(v)[0]] / fused[v] for v in variants})
             rows.append(row)
             save()
-            del buckets, eagers
+            del buckets, eagers, eagers_c
             if len(variants) == 1:
                 print(f"{name:8} {k:>3} {fused[variants[0]]:>9.4f} {eager[precisions[0]]:>9.4f} "
                       f"{ratio[variants[0]]:>6.2f}x  {route[variants[0]]}", flush=True)
             else:
                 print(f"{name:8} {k:>3} " + " ".join(f"{eager[p]:>11.4f}" for p in precisions) + " "
                       + " ".join(f"{fused[v]:>9.4f} {ratio[v]:>6.2f}x {route[v]:>7}" for v in variants), flush=True)
+            if eager_c:
+                print(f"{'':8} {'':>3} against compiled eager: "
+                      + " ".join(f"{v} {r:.2f}x" for v, r in row["ratio_vs_compiled_eager"].items()), flush=True)
 
 
 if __name__ == "__main__":

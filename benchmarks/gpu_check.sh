@@ -18,18 +18,29 @@
 # Parts, in order of priority; each writes its JSON as soon as it has a figure (and
 # again after every run), and each is cut at min(its cap, what is left of BUDGET_S),
 # so a run that is cut short keeps what finished:
-#   1. cnn    64 CIFAR-sized CNNs (cifar-cnn3, 50k/10k), plain Tune (1/8 card each,
-#             reuse_actors, data made once per trial process) vs chorus_tune (defaults),
-#             FIFO 2 epochs, then ASHA / ChorusASHA max_t 4: vs_tune-cnn.json
+#   1. cnn    64 CIFAR-sized CNNs (cifar-cnn3, 50k/10k), plain Tune at 1/4, 1/8 and 1/16
+#             of the card per trial (reuse_actors, data made once per trial process; the
+#             row's (a) is the fastest share) vs chorus_tune (defaults, the Tune way: a
+#             stop dict, no max_iterations), FIFO 2 epochs, then ASHA / ChorusASHA max_t 4:
+#             vs_tune-cnn.json
 #   2. mlp    the same with 64 MLPs (tab-mlp2, 50k/10k): vs_tune-mlp.json
 #   3. share  3 widths x 16 lrs of the CNN, 1 epoch, chorus_tune with 1, 0.5, 0.25 GPU
 #             per bucket (1, 2, 4 buckets on the card): share_card.json
 #   4. step   fused step vs K eager steps, fp32 and bf16: fused_step.json;
-#             then fp32 vs the compiled route: fused_step_compiled.json
+#             then fp32 vs the compiled route, also against compiled eager models:
+#             fused_step_compiled.json
+# Every timed run waits first until the cluster is free again (buckets hold their GPU
+# until idle_close_s after their last read), each way gets WARMUP discarded runs, and
+# REPEATS timed ones follow, interleaved with the order rotated (benchmarks/vs_tune.py).
+# With the defaults (3 repeats, a warm-up, 3 plain shares) parts 1 and 2 run 26 sweeps
+# each, not 4 as before: raise BUDGET_S and the caps, or lower REPEATS/FRACTIONS, to
+# fit the card's time; a part cut at its cap keeps the repeats that finished.
 #
 # Settings (environment): PY (python3), OUT (benchmarks/results/gpu_check), BUDGET_S (450; smoke 1500),
-# GPU_FRACTION (0.125), SMOKE=1: every path at toy sizes on whatever device torch sees
-# (a CPU here: SMOKE=1 PY=.venv/bin/python OUT=/tmp/gpu-smoke bash benchmarks/gpu_check.sh).
+# FRACTIONS (plain Tune's card shares, 0.25,0.125,0.0625; smoke 0.25,0.125), REPEATS (3; smoke 1),
+# WARMUP (1), PARTS (cnn,mlp,share,step,compiled: the parts to run), CAP_CNN, CAP_MLP, CAP_SHARE,
+# CAP_STEP, CAP_COMPILED (each part's cap, s), SMOKE=1: every path at toy sizes on whatever device
+# torch sees (a CPU here: SMOKE=1 PY=.venv/bin/python OUT=/tmp/gpu-smoke bash benchmarks/gpu_check.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 root=$(pwd)
@@ -38,7 +49,8 @@ export PYTHONUNBUFFERED=1 RAY_ADDRESS=local
 PY=${PY:-python3}
 OUT=${OUT:-benchmarks/results/gpu_check}
 SMOKE=${SMOKE:-0}
-GPU_FRACTION=${GPU_FRACTION:-0.125}
+WARMUP=${WARMUP:-1}
+PARTS=${PARTS:-cnn,mlp,share,step,compiled}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
@@ -48,7 +60,9 @@ if [ "$SMOKE" = 1 ]; then
   SIZE="--n-train 256 --n-val 64"; TRIALS=4; EPOCHS=1; ASHA_EPOCHS=2; BATCH=64; WAY_BUDGET=150
   SHARE="--widths 4,8 --lrs 2 --epochs 1 --batch-size 64 --n-train 256 --n-val 64"
   STEP="--models mlp64,cnn3 --ks 2 --steps 3 --repeats 1"; STEP_COMPILED="--models mlp64 --ks 2 --steps 3 --repeats 1"
-  CAP_CNN=400 CAP_MLP=300 CAP_SHARE=300 CAP_STEP=200 CAP_COMPILED=300
+  CAP_CNN=${CAP_CNN:-500} CAP_MLP=${CAP_MLP:-400} CAP_SHARE=${CAP_SHARE:-400} CAP_STEP=${CAP_STEP:-200}
+  CAP_COMPILED=${CAP_COMPILED:-400}
+  FRACTIONS=${FRACTIONS:-0.25,0.125}; REPEATS=${REPEATS:-1}
   DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
   BUDGET_S=${BUDGET_S:-1500}
 else
@@ -56,7 +70,9 @@ else
   SHARE="--widths 8,16,32 --lrs 16 --epochs 1 --batch-size 256"
   STEP="--models mlp256,cnn3 --ks 16,64 --steps 40 --repeats 2"
   STEP_COMPILED="--models mlp256,cnn3 --ks 64 --steps 40 --repeats 2"
-  CAP_CNN=260 CAP_MLP=100 CAP_SHARE=80 CAP_STEP=45 CAP_COMPILED=60
+  CAP_CNN=${CAP_CNN:-260} CAP_MLP=${CAP_MLP:-100} CAP_SHARE=${CAP_SHARE:-80} CAP_STEP=${CAP_STEP:-45}
+  CAP_COMPILED=${CAP_COMPILED:-60}
+  FRACTIONS=${FRACTIONS:-0.25,0.125,0.0625}; REPEATS=${REPEATS:-3}
   DEVICE=cuda
   BUDGET_S=${BUDGET_S:-450}
 fi
@@ -65,9 +81,10 @@ start=$(date +%s)
 left() { echo $(( BUDGET_S - ($(date +%s) - start) )); }
 
 # part NAME CAP CMD...: run CMD under min(CAP, time left), its output in $OUT/NAME.txt;
-# print its elapsed time and the tail of its output.
+# print its elapsed time and the tail of its output. A part not named in PARTS is skipped.
 part() {
   local name=$1 cap=$2; shift 2
+  case ",$PARTS," in *",$name,"*) ;; *) echo "== $name: not in PARTS ($PARTS)"; return;; esac
   local t; t=$(left); [ "$t" -gt "$cap" ] && t=$cap
   if [ "$t" -lt 20 ]; then echo "== $name: skipped, $(left) s of BUDGET_S left"; return; fi
   echo "== $name (at most $t s): $*"
@@ -111,17 +128,17 @@ ray_ok=1
 $PY -c "import ray, ray.tune; print('ray', ray.__version__)" || { ray_ok=0; echo "== env: no Ray (PYTHONPATH=/tmp/site? see the top of this script): only the fused step runs"; }
 
 VS="$PY benchmarks/vs_tune.py --device $DEVICE --trials $TRIALS --epochs $EPOCHS --asha-epochs $ASHA_EPOCHS
-    --batch-size $BATCH --scheduler fifo,asha --ways plain,chorus --repeats 1 --gpu-fraction $GPU_FRACTION
-    --way-budget-s $WAY_BUDGET --out $OUT $SIZE"
+    --batch-size $BATCH --scheduler fifo,asha --ways plain,chorus --repeats $REPEATS --warmup $WARMUP
+    --gpu-fraction $FRACTIONS --way-budget-s $WAY_BUDGET --out $OUT $SIZE"
 if [ "$ray_ok" = 1 ]; then
   part cnn "$CAP_CNN" $VS --workload cifar-cnn3 --name vs_tune-cnn
   part mlp "$CAP_MLP" $VS --workload tab-mlp2 --name vs_tune-mlp
   part share "$CAP_SHARE" $PY benchmarks/share_card.py --device "$DEVICE" --workload cifar-cnn3 $SHARE \
-      --way-budget-s "$WAY_BUDGET" --out "$OUT" --name share_card
+      --repeats "$REPEATS" --warmup "$WARMUP" --way-budget-s "$WAY_BUDGET" --out "$OUT" --name share_card
 fi
 part step "$CAP_STEP" $PY benchmarks/fused_step.py --device "$DEVICE" $STEP --variants fp32,bf16 --json "$OUT/fused_step.json"
 part compiled "$CAP_COMPILED" $PY benchmarks/fused_step.py --device "$DEVICE" $STEP_COMPILED --variants fp32,fp32:compiled \
-    --json "$OUT/fused_step_compiled.json"
+    --compiled-eager --json "$OUT/fused_step_compiled.json"
 
 echo "== summary ($(( $(date +%s) - start )) s)"
 $PY benchmarks/gpu_summary.py "$OUT" || true

@@ -3,9 +3,11 @@
     python3 benchmarks/gpu_summary.py DIR
 
 Prints, per file: the card, driver and torch; for vs_tune-*.json each sweep's
-wall times, (a)/(b) and best accuracies; for share_card.json each share's wall
-time against one bucket per card; for fused_step*.json each variant's
-eager/fused ratio. A file from a part that was cut short says so.
+wall times, (a)/(b) (against plain Tune's fastest card share), its ratio per
+member-epoch, member-epochs and best accuracies; for share_card.json each
+share's wall time against one bucket per card; for fused_step*.json each
+variant's eager/fused ratio (the eager loop uncompiled; against compiled eager
+models too where measured). A file from a part that was cut short says so.
 """
 from __future__ import annotations
 
@@ -23,13 +25,24 @@ def where(d: dict) -> str:
 def vs_tune(path: str, d: dict) -> None:
     print(f"{os.path.basename(path)}: {where(d)}" + ("" if d.get("complete") else "  [INCOMPLETE]"))
     for row in d["rows"]:
+        if "median_wall_s" not in row:
+            continue  # no timed run of this row finished
         wall, best, hit = row["median_wall_s"], row["best"], row.get("budget_hit", {})
         cells = "  ".join(f"{w} {wall[w]:.1f} s{'+' if hit.get(w) else ''} best {best[w]:.3f}" for w in wall)
-        ratio = f"  (a)/(b) {row['plain_over_chorus']:.2f}x" if "plain_over_chorus" in row else ""
+        # (a) is plain Tune at its fastest card share where several ran (plain@f).
+        ratio = (f"  (a)/(b) {row['plain_over_chorus']:.2f}x" + (f" [(a) = {row['plain_way']}]"
+                 if "@" in row.get("plain_way", "") else "")) if "plain_over_chorus" in row else ""
+        per = (f", per member-epoch {row['plain_over_chorus_per_member_epoch']:.2f}x"
+               if "plain_over_chorus_per_member_epoch" in row else "")
         gap = f"  best gap {row['best_plain_minus_chorus']:+.3f}" if "best_plain_minus_chorus" in row else ""
-        print(f"  {row['workload']} {row['trials']} trials {row['scheduler']} {row['epochs']} ep: {cells}{ratio}{gap}")
+        gap += " (a side hit its time budget)" if "best_gap_caveat" in row else ""
+        print(f"  {row['workload']} {row['trials']} trials {row['scheduler']} {row['epochs']} ep: "
+              f"{cells}{ratio}{per}{gap}")
+        if row.get("member_epochs"):
+            print("    member-epochs " + ", ".join(f"{w} {n:g}" for w, n in row["member_epochs"].items()
+                                                  if n is not None))
     if any(any(row.get("budget_hit", {}).values()) for row in d["rows"]):
-        print("  +: hit the time budget (a lower bound)")
+        print("  +: hit the time budget (a lower bound; its trials did not all finish)")
 
 
 def share_card(path: str, d: dict) -> None:
@@ -52,6 +65,9 @@ def fused_step(path: str, d: dict) -> None:
         else:
             cells = f"{row['ratio']:.2f}x ({row['route']})"
         print(f"  {row['model']} K={row['k']}: eager/fused {cells}")
+        if "ratio_vs_compiled_eager" in row:
+            print("    compiled eager/fused " + "  ".join(f"{v} {r:.2f}x"
+                                                          for v, r in row["ratio_vs_compiled_eager"].items()))
 
 
 def main() -> None:

@@ -4,11 +4,18 @@ A sweep over several widths is several structures: each width gets buckets of
 its own (docs/design.md D9). With the default of one GPU per bucket, one card
 trains them one after another; with ``resources_per_bucket={"GPU": 0.5}`` two
 buckets share the card, with 0.25 four. This runs the same chorus_tune sweep
-(``ChorusTrainable`` + ``ChorusSearch`` with their defaults, FIFO,
-``reuse_actors=True``) once per share, interleaved (1, 0.5, 0.25, 1, ...),
-and writes the wall time of each side by side, as ratios to one bucket per
-card, with each share's best final ``val_accuracy`` (the same members train
-in every setting, so those should agree).
+(``ChorusTrainable`` + ``ChorusSearch(task=trainable)`` with their defaults,
+FIFO with the run's stop dict and no ``max_iterations``, the Tune way;
+``reuse_actors=True``) once per share, interleaved, and writes the wall time
+of each side by side, as ratios to one bucket per card, with each share's
+best final ``val_accuracy`` (the same members train in every setting, so
+those should agree).
+
+As in ``vs_tune.py``: before every timed run it waits until the cluster's
+resources are all free and every bucket of the run before has closed (a
+bucket holds its GPU until ``idle_close_s`` after its last read), and
+records the wait (``settle_s``); each share gets ``--warmup`` discarded runs
+first, and the order of the shares rotates from repeat to repeat.
 
 On a machine without CUDA the card is a Ray custom resource ``card`` of 1
 (each bucket asks for its share of it and for that share of the cores): the
@@ -53,7 +60,7 @@ def run_share(share: float, args) -> dict:
 
     task = vs_tune.make_task(args.workload, args.batch_size, args.n_train, args.n_val)
     trainable = ChorusTrainable.for_task(task, resources_per_bucket=bucket_resources(share, args.device))
-    search = ChorusSearch(task=trainable, max_iterations=args.epochs)
+    search = ChorusSearch(task=trainable)  # the budget comes from the run's stop dict, as users write it
     space = {"width": tune.grid_search(args.widths), "lr": tune.grid_search(learning_rates(args.lrs)),
              "momentum": 0.9, "weight_decay": 0.0, "seed": 0}
     trials = len(args.widths) * args.lrs
@@ -89,7 +96,10 @@ def main() -> None:
     parser.add_argument("--n-train", type=int, default=None)
     parser.add_argument("--n-val", type=int, default=None)
     parser.add_argument("--shares", default="1,0.5,0.25", help="GPU per bucket, comma-separated")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of every share")
+    parser.add_argument("--warmup", type=int, default=1, help="discarded runs of every share first (0: none)")
+    parser.add_argument("--settle-timeout-s", type=float, default=120.0,
+                        help="longest wait, before each run, for the cluster to be free again")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--way-budget-s", type=float, default=None, help="Tune's time_budget_s for every fit")
     parser.add_argument("--out", default="benchmarks/results")
@@ -113,6 +123,7 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, args.name + ".json")
     runs: list[dict] = []
+    warmups: list[dict] = []
 
     def medians() -> dict[float, float]:
         walls = {share: [x["wall_s"] for x in runs if x["gpu_per_bucket"] == share] for share in shares}
@@ -124,15 +135,20 @@ def main() -> None:
         vs_tune.write_json(path, {**env, "args": vars(args), "trials": trials, "complete": complete,
                                   "median_wall_s": {str(k): v for k, v in median.items()},
                                   "first_over_share": {str(k): base / v for k, v in median.items()} if base else {},
-                                  "runs": runs})
+                                  "runs": runs, "warmups": warmups})
 
-    for r in range(args.repeats):
-        for share in shares:
+    # Warm-ups first (discarded), then the repeats; the shares' order rotates each time.
+    order = [(0, w) for w in range(args.warmup)] + [(r, r - 1) for r in range(1, args.repeats + 1)]
+    for repeat, turn in order:
+        for share in vs_tune.rotated(shares, turn):
+            waited, settled = vs_tune.settle(args.settle_timeout_s)
             run = run_share(share, args)
-            run["repeat"] = r + 1
-            runs.append(run)
-            print(f"  repeat {r + 1} GPU/bucket {share:<5} ({run['buckets_per_card']:g} per card) "
-                  f"{run['wall_s']:7.1f} s  best {METRIC}={run['best']:.4f}  reached max_t: {run['reached_max_t']}"
+            run.update(repeat=repeat, settle_s=waited, settled=settled)
+            (warmups if repeat == 0 else runs).append(run)
+            print(f"  {'warm-up ' if repeat == 0 else f'repeat {repeat}'} GPU/bucket {share:<5} "
+                  f"({run['buckets_per_card']:g} per card) {run['wall_s']:7.1f} s  best {METRIC}={run['best']:.4f}  "
+                  f"reached max_t: {run['reached_max_t']}  settled in {waited:.1f} s"
+                  + ("" if settled else " (TIMED OUT: leftovers shared the run)")
                   + ("  (hit the time budget)" if run["budget_hit"] else ""), flush=True)
             save(complete=False)
     ray.shutdown()

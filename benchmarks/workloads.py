@@ -43,6 +43,28 @@ def synthetic_classification(n_train: int = 16_000, n_val: int = 4_000, features
     return (x[:n_train], y[:n_train]), (x[n_train:], y[n_train:])
 
 
+def mixed_mlp(features: int = 64, classes: int = 10):
+    """Issue 19's model: a width and a dropout rate from the config, as users sweep
+    module settings beside optimizer ones (``config["width"]``, ``config["dropout"]``)."""
+    def build(config: dict) -> nn.Module:
+        w = int(config["width"])
+        return nn.Sequential(nn.Linear(features, w), nn.ReLU(), nn.Dropout(float(config["dropout"])),
+                             nn.Linear(w, classes))
+    build.__qualname__ = "mixed_mlp"
+    return build
+
+
+def mixed_space() -> dict:
+    """Issue 19's search space, as a Tune user writes it: width {64, 128}, dropout
+    U(0, 0.5), learning rate and weight decay log-uniform (SGD, momentum 0.9, seed 0
+    as the grid sweeps have). Sampled with a fixed ``random_state`` on every side."""
+    from ray import tune
+
+    return {"width": tune.choice([64, 128]), "dropout": tune.uniform(0.0, 0.5),
+            "lr": tune.loguniform(3e-3, 0.3), "weight_decay": tune.loguniform(1e-5, 1e-2),
+            "momentum": 0.9, "seed": 0}
+
+
 def synthetic_images(n_train: int = 10_000, n_val: int = 2_000, channels: int = 3, size: int = 32,
                      classes: int = 10):
     """CIFAR-sized random images whose class shifts a per-class pattern: learnable, no download."""
@@ -73,6 +95,14 @@ WORKLOADS = {
     "synth-mlp256": (lambda: mlp(256), synthetic_classification),
     "synth-cnn": (lambda: small_cnn(1, 8), synthetic_images_8x8),
     "cifar-cnn": (lambda: small_cnn(3, 32), synthetic_images),
+    # Issue 19's target: widths x dropout x lr x weight decay, on synth-mlp64's data.
+    "synth-mixed": (mixed_mlp, synthetic_classification),
+}
+
+# Workloads with a random search space of their own (name: () -> Tune param_space);
+# the others sweep vs_tune.sweep()'s grid of learning rates x weight decays.
+SPACES = {
+    "synth-mixed": mixed_space,
 }
 
 

@@ -64,11 +64,14 @@ class ReferenceRun:
     def run_iteration(self) -> dict[str, Any]:
         model, optimizer, device = self.model, self.optimizer, self.device
         model.train()
-        indices = self.order.take(self.steps) if self.order is not None else None
+        # The iteration's whole index table moves to the device in one copy, as the
+        # bucket's does: a copy per step would make plain Tune pay a host-device
+        # sync on every step on a GPU that the fused path never pays.
+        indices = self.order.take(self.steps).to(device) if self.order is not None else None
         loss_sum = torch.zeros((), device=device)
         for s in range(self.steps):
             if indices is not None:
-                idx = indices[s].to(device)
+                idx = indices[s]
                 x, y = self.x[idx], self.y[idx]
             else:
                 x, y = (t.to(device) for t in self.shared.next())

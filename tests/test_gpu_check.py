@@ -83,9 +83,14 @@ def test_fused_step_variants_side_by_side_and_the_summary(tmp_path):
 def test_gpu_summary_reads_a_vs_tune_and_a_share_card_report(tmp_path):
     env = {"device": "cuda", "device_name": "card", "driver": "1.0", "torch": "t", "torch_cuda": "c"}
     row = {"workload": "cifar-cnn3", "trials": 64, "scheduler": "fifo", "epochs": 2,
-           "median_wall_s": {"plain": 30.0, "chorus": 10.0}, "best": {"plain": 0.9, "chorus": 0.905},
-           "budget_hit": {"plain": True, "chorus": False}, "plain_over_chorus": 3.0, "best_plain_minus_chorus": -0.005}
-    (tmp_path / "vs_tune-cnn.json").write_text(json.dumps({**env, "complete": False, "rows": [row]}))
+           "median_wall_s": {"plain@0.25": 40.0, "plain@0.125": 30.0, "chorus": 10.0},
+           "best": {"plain@0.25": 0.9, "plain@0.125": 0.9, "chorus": 0.905},
+           "budget_hit": {"plain@0.25": True, "plain@0.125": True, "chorus": False}, "plain_way": "plain@0.125",
+           "plain_over_chorus": 3.0, "plain_over_chorus_per_member_epoch": 2.5, "best_plain_minus_chorus": -0.005,
+           "best_gap_caveat": "a side hit its time budget",
+           "member_epochs": {"plain@0.25": 100, "plain@0.125": 128, "chorus": 160}}
+    cut = {"workload": "tab-mlp2", "trials": 64, "scheduler": "asha", "epochs": 4}  # no timed run finished
+    (tmp_path / "vs_tune-cnn.json").write_text(json.dumps({**env, "complete": False, "rows": [row, cut]}))
     runs = [{"gpu_per_bucket": s, "wall_s": w, "best": 0.9, "budget_hit": False} for s, w in ((1.0, 20.0), (0.5, 10.0))]
     (tmp_path / "share_card.json").write_text(json.dumps(
         {**env, "trials": 48, "complete": True, "median_wall_s": {"1.0": 20.0, "0.5": 10.0},
@@ -93,7 +98,10 @@ def test_gpu_summary_reads_a_vs_tune_and_a_share_card_report(tmp_path):
     done = subprocess.run([sys.executable, str(BENCHMARKS / "gpu_summary.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert done.returncode == 0
-    assert "[INCOMPLETE]" in done.stdout and "(a)/(b) 3.00x" in done.stdout and "plain 30.0 s+" in done.stdout
+    assert "[INCOMPLETE]" in done.stdout and "plain@0.125 30.0 s+" in done.stdout, done.stdout
+    assert "(a)/(b) 3.00x [(a) = plain@0.125], per member-epoch 2.50x" in done.stdout, done.stdout
+    assert "(a side hit its time budget)" in done.stdout and "member-epochs plain@0.25 100" in done.stdout
+    assert "unreadable" not in done.stdout, done.stdout
     assert "GPU/bucket   0.5:   10.0 s  1-per-card/this 2.00x" in done.stdout, done.stdout
 
 
@@ -106,3 +114,16 @@ def test_the_script_parses_and_the_readme_gives_its_device_commands():
     readme = (ROOT / "README.md").read_text()
     for command in (call1, call2):
         assert command in script and command in readme
+
+
+def test_the_script_runs_plain_at_three_card_shares_with_repeats_and_warm_ups_by_default():
+    """Issue 22: plain Tune at 1/4, 1/8 and 1/16 of the card, 3 repeats after a warm-up, the
+    compiled route against compiled eager models too; a smoke run can pick its parts."""
+    script = (BENCHMARKS / "gpu_check.sh").read_text()
+    full = script.split("else", 1)[1]  # the settings after the smoke branch
+    assert "FRACTIONS=${FRACTIONS:-0.25,0.125,0.0625}" in full and "REPEATS=${REPEATS:-3}" in full
+    assert "WARMUP=${WARMUP:-1}" in script and "PARTS=${PARTS:-cnn,mlp,share,step,compiled}" in script
+    assert "--gpu-fraction $FRACTIONS" in script and "--repeats $REPEATS --warmup $WARMUP" in script
+    assert "--compiled-eager" in script and "--max-iterations" not in script
+    share = (BENCHMARKS / "share_card.py").read_text()
+    assert "max_iterations=" not in share and "vs_tune.settle(" in share
