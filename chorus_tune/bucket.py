@@ -361,6 +361,12 @@ class Bucket:
         ``max_group`` remembers the size for later iterations. A member that
         runs out even alone raises :class:`MemberOutOfMemory`, once every other
         member has completed; the completed members' metrics travel with it.
+
+        Each member's metrics include the task's own ``metrics``, each computed
+        on the member's outputs for the whole validation split. A metric that
+        raises (or returns no number) on a member's evaluation fails that member
+        only: :class:`MemberMetricError`, raised once the others are done, with
+        their metrics and the metric's message for each failed member.
         """
         if slots is None:
             live = self.live_slots
