@@ -26,20 +26,20 @@ members, one with ``max_grad_norm=1.0`` for every member and one without,
 timed interleaved, best of ``--repeats``; it prints ms per fused step with
 clipping off and on, the difference, and the clipping alone (``clip op ms``:
 ``optim.clip_grad_norms`` on the bucket's own last gradients, best of 5 x 200
-calls). Measured on the 2-core CPU (torch 2.13, ``--models mlp64 --threads 1``,
-SGD with momentum, 40 steps), with the machine shared and loaded (load
-average 19-28):
+calls). Measured on the 2-core CPU (torch 2.13, ``--models mlp64 --threads 1
+--repeats 10``, SGD with momentum, 40 steps), shared and loaded (load
+average 17-29), two runs (``benchmarks/reported/clip_cost_cpu*.json``):
 
-    K   off ms/step   on ms/step   difference   clip op ms
-    16        8.46        11.12       +31%         0.29
-    64       27.94        33.59       +20%         0.93
+    run  K   off ms/step   on ms/step   difference   clip op ms
+    1    16        8.46        11.12       +31%         0.29
+    1    64       27.94        33.59       +20%         0.93
+    2    16        9.21         7.25       -21%         0.17
+    2    64       11.25        12.63       +12%         0.31
 
-(``benchmarks/reported/clip_cost_cpu.json``). The whole-step difference is
-not resolved on this machine: three runs gave K=16 +15% to +31% and K=64
--22% to +20%, so at K=64 the noise exceeds the effect, and at K=16 the
-figure is above what the clipping alone costs. The clipping itself is 0.29
-ms at K=16 and 0.93 ms at K=64, about 3% of the unclipped step at both. A
-bucket where no member clips skips it altogether.
+The clipping itself is about 2-3% of the unclipped step at both K. The
+whole-step difference is the machine's noise here (four runs: -21% to +31%
+at K=16, -22% to +20% at K=64), far larger than the clipping. A bucket where
+no member clips skips it altogether.
 
     .venv/bin/python benchmarks/fused_step.py --clip-cost [--ks 16,64] [--models mlp64] [--threads 1]
 """
