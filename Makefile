@@ -13,7 +13,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml
 	$(BIN)/pip install $(PIP_FLAGS) torch==2.13.0
-	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev,dashboard,optuna]'
+	$(BIN)/pip install $(PIP_FLAGS) -e '.[dev,dashboard,optuna,metrics]'
 	touch $@
 
 setup: $(VENV)/.installed

@@ -24,6 +24,29 @@ each under ``torch.compile`` and reports every variant against that baseline too
 
     .venv/bin/python benchmarks/fused_step.py [--device cuda] [--optimizer sgd|adam|adamw]
         [--models mlp64,mlp128,mlp256,cnn,cnn3] [--variants fp32,bf16,fp32:compiled] [--threads N] [--json out.json]
+
+``--clip-cost`` measures instead what per-member gradient clipping
+(``max_grad_norm``) costs a fused step: for each K, two buckets of the same
+members, one with ``max_grad_norm=1.0`` for every member and one without,
+timed interleaved, best of ``--repeats``; it prints ms per fused step with
+clipping off and on, the difference, and the clipping alone (``clip op ms``:
+``optim.clip_grad_norms`` on the bucket's own last gradients, best of 5 x 200
+calls). Measured on the 2-core CPU (torch 2.13, ``--models mlp64 --threads 1
+--repeats 10``, SGD with momentum, 40 steps), shared and loaded (load
+average 17-29), two runs (``benchmarks/reported/clip_cost_cpu*.json``):
+
+    run  K   off ms/step   on ms/step   difference   clip op ms
+    1    16        8.46        11.12       +31%         0.29
+    1    64       27.94        33.59       +20%         0.93
+    2    16        9.21         7.25       -21%         0.17
+    2    64       11.25        12.63       +12%         0.31
+
+The clipping itself is about 2-3% of the unclipped step at both K. The
+whole-step difference is the machine's noise here (four runs: -21% to +31%
+at K=16, -22% to +20% at K=64), far larger than the clipping. A bucket where
+no member clips skips it altogether.
+
+    .venv/bin/python benchmarks/fused_step.py --clip-cost [--ks 16,64] [--models mlp64] [--threads 1]
 """
 from __future__ import annotations
 
@@ -176,6 +199,8 @@ def main() -> None:
     parser.add_argument("--compiled-eager", action="store_true",
                         help="also time the K eager models under torch.compile, a baseline for the compiled route")
     parser.add_argument("--json", default=None, help="written after every row")
+    parser.add_argument("--clip-cost", action="store_true",
+                        help="time max_grad_norm clipping on against off instead (see the docstring)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -199,6 +224,8 @@ def main() -> None:
         parser.error(f"unknown --models {sorted(unknown)}; choose from {sorted(workloads)}")
     workloads = {name: workloads[name] for name in wanted}
     env = environment(device)
+    if args.clip_cost:
+        return clip_cost(workloads, args, device, env)
     rows = []
     # What each ratio divides: the K-model loop is uncompiled unless said otherwise.
     baseline = {"ratio": "K torch.nn models with torch.optim, one after another, uncompiled, over fused"}
@@ -260,6 +287,57 @@ def main() -> None:
             if eager_c:
                 print(f"{'':8} {'':>3} against compiled eager: "
                       + " ".join(f"{v} {r:.2f}x" for v, r in row["ratio_vs_compiled_eager"].items()), flush=True)
+
+
+def clip_op_seconds(bucket: ct.Bucket, device: torch.device, calls: int = 200) -> float:
+    """Seconds of the clipping alone, on the bucket's own last gradients: the
+    part of the fused step that ``max_grad_norm`` adds (best of 5 loops)."""
+    from chorus_tune.optim import clip_grad_norms
+
+    grads = [p.grad.clone() for p in bucket.stack.params.values() if p.grad is not None]
+    limit = bucket.optimizer.max_grad_norm
+    clipped = torch.isfinite(limit)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        start = time.perf_counter()
+        for _ in range(calls):
+            clip_grad_norms(grads, limit, clipped)
+        sync(device)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def clip_cost(workloads: dict, args: argparse.Namespace, device: torch.device, env: dict) -> None:
+    """ms per fused step with per-member ``max_grad_norm`` clipping off and on, side by side."""
+    rows = []
+    print(f"device={device} ({env['device_name'] or env['cpu']}) torch={torch.__version__} "
+          f"threads={torch.get_num_threads()} steps={args.steps} optimizer={args.optimizer} (best of {args.repeats})")
+    print(f"{'model':8} {'K':>3} {'off ms/step':>12} {'on ms/step':>11} {'cost':>7} {'clip op ms':>11}  route")
+    for name, (factory, data) in workloads.items():
+        task = ct.Task(factory, data, optimizer=args.optimizer, batch_size=64, iteration_steps=args.steps)
+        for k in (int(v) for v in args.ks.split(",")):
+            buckets = {}
+            for clip in (None, 1.0):
+                bucket = ct.Bucket(task, k, device=device)
+                for c in configs(k, args.optimizer):
+                    bucket.add(dict(c, max_grad_norm=clip))
+                bucket.run_iteration()  # route probe and warm-up
+                buckets[clip] = bucket
+            best = {clip: float("inf") for clip in buckets}
+            for _ in range(args.repeats):  # interleaved: drifting load hits both alike
+                for clip, bucket in buckets.items():
+                    best[clip] = min(best[clip], time_fused(bucket, device))
+            off, on = (1000 * best[c] / args.steps for c in (None, 1.0))
+            op = 1000 * clip_op_seconds(buckets[1.0], device)
+            rows.append(dict(model=name, k=k, off_ms_per_step=off, on_ms_per_step=on, cost=on / off - 1,
+                             clip_op_ms=op, route=buckets[1.0].route))
+            print(f"{name:8} {k:>3} {off:>12.3f} {on:>11.3f} {100 * (on / off - 1):>+6.1f}% {op:>11.4f}  "
+                  f"{buckets[1.0].route}", flush=True)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({**env, "steps": args.steps, "optimizer": args.optimizer, "repeats": args.repeats,
+                               "clip_cost": rows}, fh, indent=2)
 
 
 if __name__ == "__main__":

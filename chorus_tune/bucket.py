@@ -1,6 +1,7 @@
 """A bucket: up to ``capacity`` members of one structure, trained fused."""
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -19,15 +20,46 @@ from .rows import RowCopies
 from .seeds import as_seed
 from .stack import MemberStack, StructuralKey, mean_loss, module_key
 from .task import Task, TensorSplit
+from .task_metrics import MetricError, compute_metric
 
-__all__ = ["Bucket", "MemberOutOfMemory", "ROUTES", "RouteReason", "STATE_FORMAT"]
+__all__ = ["Bucket", "MemberFailure", "MemberMetricError", "MemberOutOfMemory", "ROUTES", "RouteReason",
+           "STATE_FORMAT"]
 
 STATE_FORMAT = 1
 # The routes that run the whole stack in one call (MemberStack.call).
 _STACK_ROUTES = ("vmap", "compiled")
 
 
-class MemberOutOfMemory(RuntimeError):
+class MemberFailure(RuntimeError):
+    """Members that failed in :meth:`Bucket.run_iteration` while the others
+    completed it: raised once they have, with their metrics in ``results``
+    (``{slot: metrics}``). ``slots`` are the failed members' slots, ``errors``
+    ``{slot: message}`` says why each failed; the caller fails just those
+    members (retires them) and keeps the rest. Both kinds below at once (rare)
+    raise this base class with both kinds of errors.
+    """
+
+    def __init__(self, message: str, slots: tuple[int, ...], results: dict[int, dict[str, Any]],
+                 errors: dict[int, str] | None = None):
+        super().__init__(message)
+        self.slots = tuple(slots)
+        self.slot = self.slots[0]
+        self.results = results
+        self.errors = dict(errors) if errors is not None else {k: message for k in self.slots}
+
+    def __reduce__(self):  # an actor's exception crosses processes pickled
+        return type(self), (str(self), self.slots, self.results, self.errors)
+
+
+class MemberMetricError(MemberFailure):
+    """A task metric (``Task(metrics=...)``) raised, or returned no number, on
+    the evaluation of the members in ``slots``; ``errors[slot]`` is the
+    metric's own message, naming it and the member. Those members trained this
+    iteration (their state has advanced); their results are not in
+    ``results``: retire them."""
+
+
+class MemberOutOfMemory(MemberFailure):
     """Members that ran out of memory in :meth:`Bucket.run_iteration` even
     trained one at a time.
 
@@ -39,15 +71,6 @@ class MemberOutOfMemory(RuntimeError):
     that member by retiring it, or moves it with ``member_state`` to a bucket
     with more room, and keeps the rest. ``slot`` is the first of ``slots``.
     """
-
-    def __init__(self, message: str, slots: tuple[int, ...], results: dict[int, dict[str, Any]]):
-        super().__init__(message)
-        self.slots = tuple(slots)
-        self.slot = self.slots[0]
-        self.results = results
-
-    def __reduce__(self):  # an actor's exception crosses processes pickled
-        return type(self), (str(self), self.slots, self.results)
 
 
 @dataclass
@@ -70,6 +93,11 @@ class _Plan:
     # Shared-batch mode: the iteration's batches, kept (host memory, one
     # iteration's worth) so that a group retried after an error sees the same ones.
     tape: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # (capacity,) label smoothing of each member, or None when no member of the plan smooths.
+    smoothing: torch.Tensor | None = None
+    # {slot: message}: members whose metric failed in a completed group (a group retried
+    # after running out of memory adds its members' only once it completes).
+    metric_errors: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -81,6 +109,7 @@ class Member:
     iteration: int
     step: int
     order: BatchOrder | None
+    label_smoothing: float = 0.0
 
 
 class Bucket:
@@ -121,6 +150,7 @@ class Bucket:
         # One object each, for the life of the bucket: the compiled route
         # keeps one graph per function it is handed.
         self._train_fn = mean_loss(self._loss)
+        self._smoothed_fn = losses.smoothing_parts(self._loss)  # only members with label_smoothing use it
         self._eval_fn = _eval_stats(self._loss, task.is_classification)
         self.fused_steps = 0
         self.max_group: int | None = None
@@ -217,6 +247,7 @@ class Bucket:
             raise ValueError(f"bucket is full ({self.capacity} members)")
         family = self.task.optimizer_for(config)
         hp = hyperparameters(family, config)
+        label_smoothing = losses.label_smoothing_from_config(self.task.loss, config)
         module = self.task.build_model(config, seed)  # the factory's own error propagates
         if state is not None:
             module.load_state_dict(state["model"])
@@ -240,7 +271,7 @@ class Bucket:
             config=config, seed=seed, family=family, hp=hp,
             iteration=0 if state is None else int(state["iteration"]),
             step=0 if state is None else int(state["step"]),
-            order=order,
+            order=order, label_smoothing=label_smoothing,
         )
         self.routing.member_joined()
         return slot
@@ -330,6 +361,12 @@ class Bucket:
         ``max_group`` remembers the size for later iterations. A member that
         runs out even alone raises :class:`MemberOutOfMemory`, once every other
         member has completed; the completed members' metrics travel with it.
+
+        Each member's metrics include the task's own ``metrics``, each computed
+        on the member's outputs for the whole validation split. A metric that
+        raises (or returns no number) on a member's evaluation fails that member
+        only: :class:`MemberMetricError`, raised once the others are done, with
+        their metrics and the metric's message for each failed member.
         """
         if slots is None:
             live = self.live_slots
@@ -344,9 +381,23 @@ class Bucket:
         self._ensure_route(self.live_slots)
         plan = self._plan(live)
         results, failed = self._train_in_groups(plan)
+        if failed and plan.metric_errors:
+            out_of_memory = self._member_out_of_memory(plan, failed, results)
+            errors = {**out_of_memory.errors, **plan.metric_errors}
+            raise MemberFailure(f"{out_of_memory}; and {self._metric_failure(plan, results)}", tuple(sorted(errors)),
+                                results, errors)
         if failed:
             raise self._member_out_of_memory(plan, failed, results)
+        if plan.metric_errors:
+            raise MemberMetricError(self._metric_failure(plan, results), tuple(sorted(plan.metric_errors)),
+                                    results, plan.metric_errors)
         return results
+
+    def _metric_failure(self, plan: _Plan, results: dict[int, dict[str, Any]]) -> str:
+        slots = sorted(plan.metric_errors)
+        return (f"a task metric failed on the evaluation of {len(slots)} member(s) "
+                f"({'; '.join(plan.metric_errors[k] for k in slots)}); {len(results)} other member(s) completed "
+                "this iteration (.results)")
 
     def _plan(self, live: list[int]) -> _Plan:
         first = self.members[live[0]]
@@ -357,7 +408,15 @@ class Bucket:
         except BaseException:
             self._rewind_orders(orders)  # no member may lose its place in the data
             raise
-        return _Plan(live, steps, self._lr_table(live, steps), index, orders)
+        return _Plan(live, steps, self._lr_table(live, steps), index, orders, smoothing=self._smoothing(live))
+
+    def _smoothing(self, live: list[int]) -> torch.Tensor | None:
+        """Each member's label smoothing as a ``(capacity,)`` tensor, or ``None``
+        when none of ``live`` smooths (the plain objective, at no extra cost)."""
+        values = [self.members[k].label_smoothing if k in live else 0.0 for k in range(self.capacity)]
+        if not any(values):
+            return None
+        return torch.tensor(values, device=self.device)
 
     def _rewind_orders(self, orders: dict[int, dict]) -> None:
         for k, state in orders.items():
@@ -447,18 +506,22 @@ class Bucket:
         loss_sum = torch.zeros(self.capacity, device=self.device)
         for s in range(plan.steps):
             x, y, shared = self._batch(plan, s, group if gather else None)
-            loss_sum += self._train_step(x, y, shared, plan.lr[s], active, group, self.route, gather).detach()
+            loss_sum += self._train_step(x, y, shared, plan.lr[s], active, group, self.route, gather,
+                                         plan.smoothing).detach()
         if frozen is not None:
             self.stack.restore_buffers(frozen)
-        val = self._evaluate(group, gather)
+        val, metric_errors = self._evaluate(group, gather)
         train_loss = (loss_sum / plan.steps).tolist()
         # Counters last: a group that fails anywhere above has not advanced.
         self.fused_steps += plan.steps
         out = {}
+        plan.metric_errors.update(metric_errors)
         for k in group:
             m = self.members[k]
             m.iteration += 1
             m.step += plan.steps
+            if k in metric_errors:
+                continue
             out[k] = {"train_loss": train_loss[k], **{n: v[k] for n, v in val.items()},
                       "iteration": m.iteration, "route": self.route, "seed": m.seed}
         return out
@@ -518,10 +581,20 @@ class Bucket:
             return self.stack.call(route, fn, x, y, shared, slots, gather)
 
     def _train_step(self, x, y, shared: bool, lr: torch.Tensor, active: torch.Tensor,
-                    live: list[int], route: str, gather: bool = False) -> torch.Tensor:
+                    live: list[int], route: str, gather: bool = False,
+                    smoothing: torch.Tensor | None = None) -> torch.Tensor:
         for p in self.stack.params.values():
             p.grad = None
-        member_losses = self._fused_call(self._train_fn, x, y, shared, live, route, gather)
+        if smoothing is None:
+            member_losses = self._fused_call(self._train_fn, x, y, shared, live, route, gather)
+        else:
+            # Label smoothing per member: the fused call gives each member's
+            # [cross entropy, smoothing term]; its own eps mixes them, as
+            # F.cross_entropy(label_smoothing=eps) would (losses.smoothing_parts).
+            # A member without smoothing takes the plain cross entropy as is.
+            parts = self._fused_call(self._smoothed_fn, x, y, shared, live, route, gather)
+            smoothed = (1 - smoothing) * parts[:, 0] + smoothing * parts[:, 1]
+            member_losses = torch.where(smoothing > 0, smoothed, parts[:, 0])
         # Sum, not mean, over members: each member's gradient keeps the scale of
         # its unfused run (a mean would divide every learning rate by K).
         torch.where(active, member_losses, torch.zeros_like(member_losses)).sum().backward()
@@ -529,21 +602,68 @@ class Bucket:
         return member_losses
 
     @torch.no_grad()
-    def _evaluate(self, live: list[int], gather: bool = False) -> dict[str, list[float]]:
+    def _evaluate(self, live: list[int], gather: bool = False) -> tuple[dict[str, list[float]], dict[int, str]]:
+        """Each member's validation metrics (``{name: [value per row]}``), and
+        ``{slot: message}`` for the members whose task metric failed."""
         self.stack.set_training(False)
         # Evaluation is not compiled: it runs once an iteration, and compiling
         # it would add graphs (and minutes) for little.
         route = "vmap" if self.route == "compiled" else self.route
-        total, count = None, 0
+        metrics = self.task.metrics or {}
+        # With task metrics, the fused call hands back each member's outputs
+        # too (flattened after its sums: one tensor, so every route stacks
+        # it), kept for the whole split: a metric such as F1 or AUC is not a
+        # mean of per-batch values (chorus_tune/task_metrics.py).
+        fn, n_stats = (self._eval_fn, None) if not metrics else self._eval_with_outputs()
+        total, count, outputs, targets = None, 0, [], []
         for x, y in eval_batches(self._val, self.task.eval_batch_size, self.device):
-            batch_stats = self._fused_call(self._eval_fn, x, y, True, live, route, gather).float()
-            total = batch_stats if total is None else total + batch_stats
+            batch = self._fused_call(fn, x, y, True, live, route, gather).float()
+            if metrics:
+                outputs.append(batch[:, n_stats:].reshape(self.capacity, y.shape[0], *fn.output_shape[1:]))
+                targets.append(y)
+                batch = batch[:, :n_stats]
+            total = batch if total is None else total + batch
             count += int(y.shape[0])
         values = (total / count).tolist()
         out = {"val_loss": [row[0] for row in values]}
         if self.task.is_classification:
             out["val_accuracy"] = [row[1] for row in values]
-        return out
+        if not metrics:
+            return out, {}
+        return self._task_metrics(live, metrics, torch.cat(outputs, dim=1), torch.cat(targets), out)
+
+    def _eval_with_outputs(self) -> tuple[Callable, int]:
+        """The evaluation's function when task metrics need the outputs: the
+        member's sums, then its outputs flattened; ``fn.output_shape`` holds the
+        outputs' shape (one member's, as its forward saw it) once called."""
+        stats_fn = self._eval_fn
+        n_stats = 2 if self.task.is_classification else 1
+
+        def fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            fn.output_shape = tuple(output.shape)
+            return torch.cat([stats_fn(output, target), output.float().reshape(-1)])
+
+        return fn, n_stats
+
+    def _task_metrics(self, live: list[int], metrics: dict, outputs: torch.Tensor, targets: torch.Tensor,
+                      out: dict[str, list[float]]) -> tuple[dict[str, list[float]], dict[int, str]]:
+        """Each task metric of each member in ``live`` on its outputs for the
+        whole split. A metric that raises fails that member only (its message
+        names the metric and the member); running out of memory in one is
+        the group's problem (it is retried smaller), not the metric's."""
+        values = {name: [math.nan] * self.capacity for name in metrics}
+        errors: dict[int, str] = {}
+        for k in live:
+            m = self.members[k]
+            try:
+                for name, metric in metrics.items():
+                    values[name][k] = compute_metric(name, metric, outputs[k], targets)
+            except MetricError as exc:
+                if exc.__cause__ is not None and is_out_of_memory(exc.__cause__):
+                    raise exc.__cause__ from None
+                errors[k] = (f"{exc} (evaluating the member in slot {k} with seed {m.seed} after its iteration "
+                             f"{m.iteration + 1}, config {m.config})")
+        return {**out, **values}, errors
 
     # ----- choosing the route (docs/design.md D8; the decision is chorus_tune/route.py's) ------------------
     def _ensure_route(self, live: list[int]) -> None:
@@ -621,7 +741,7 @@ class Bucket:
         active = self._active_mask(live)
         lr = torch.tensor([self.members[k].hp["lr"] if k in live else 0.0 for k in range(self.capacity)],
                           device=self.device)
-        losses_ = self._train_step(x, y, shared, lr, active, live, route, gather).detach()
+        losses_ = self._train_step(x, y, shared, lr, active, live, route, gather, self._smoothing(live)).detach()
         rows = torch.tensor(live, device=self.device)
         return ProbeResult(losses_[rows], [t.detach()[rows] for t in self.stack.state_tensors()])
 

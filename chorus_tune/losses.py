@@ -34,5 +34,42 @@ def resolve_loss(loss: Union[str, LossFn]) -> LossFn:
         raise ValueError(f"loss must be one of {sorted(NAMED_LOSSES)} or a callable; got {loss!r}") from None
 
 
+def label_smoothing_from_config(loss: Union[str, LossFn], config: dict) -> float:
+    """The config's ``label_smoothing`` (0 when absent or ``None``), checked:
+    a number in [0, 1), and only for ``loss="cross_entropy"``."""
+    value = config.get("label_smoothing")
+    if value is None:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+        raise ValueError(f"label_smoothing must be a number in [0, 1); got {value!r}")
+    if value and loss != "cross_entropy":
+        raise ValueError(f"label_smoothing applies to loss='cross_entropy' only; this task's loss is {loss!r}")
+    return float(value)
+
+
+def smoothing_parts(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """A member's training objective in two parts, ``[ce, u]``, so that its
+    label-smoothed loss is ``(1 - eps) * ce + eps * u`` for its own ``eps``.
+
+    ``ce`` is the mean of ``loss_fn`` (plain cross entropy, exactly the
+    unsmoothed objective) and ``u`` the mean over samples of
+    ``-sum_c log_softmax(output)_c / C``. That is how
+    ``F.cross_entropy(..., label_smoothing=eps)`` is built (torch:
+    ``(1 - eps) * nll + eps / C * smooth``, per sample), and the mix is linear
+    in ``eps``: so the fused call computes the parts once for every member and
+    each member's own ``eps`` mixes them outside it (vmap takes no per-member
+    float into ``F.cross_entropy``). Targets as class indices (``-100``, torch's
+    ``ignore_index``, counts as zero, as torch's does) or as class probabilities.
+    """
+    def fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        ce = loss_fn(output, target).mean()
+        class_dim = 1 if output.dim() > 1 else 0
+        smooth = -F.log_softmax(output, dim=class_dim).sum(class_dim)
+        if not target.is_floating_point():
+            smooth = smooth.masked_fill(target == -100, 0.0)
+        return torch.stack([ce, (smooth.mean() / output.shape[class_dim]).to(ce.dtype)])
+    return fn
+
+
 def accuracy_count(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (output.argmax(dim=-1) == target).sum()

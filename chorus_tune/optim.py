@@ -27,6 +27,7 @@ Learning-rate schedules live in :mod:`chorus_tune.schedules` (re-exported here).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
@@ -39,7 +40,8 @@ from .schedules import SCHEDULES, schedule_from_config, scheduled_lr
 __all__ = [
     "FAMILIES", "HYPERPARAMETER_DEFAULTS", "OPTIMIZERS", "SCHEDULES", "OptimizerFamily", "OptimizerSnapshot",
     "StackedOptimizer",
-    "build_torch_optimizer", "hyperparameters", "optimizer_family", "scheduled_lr", "stacked_adam",
+    "build_torch_optimizer", "clip_grad_norms", "max_grad_norm_from_config",
+    "hyperparameters", "optimizer_family", "scheduled_lr", "stacked_adam",
     "stacked_adamw", "stacked_sgd",
 ]
 
@@ -62,6 +64,27 @@ def _per_member(values: Tensor, like: Tensor) -> Tensor:
 def _commit(target: Tensor, new: Tensor, live: Tensor, all_active: bool) -> None:
     # torch.where, not a multiplication by the mask: NaN * 0 is still NaN.
     target.copy_(new if all_active else torch.where(live, new, target))
+
+
+def clip_grad_norms(grads: list[Tensor], max_norm: Tensor, clipped: Tensor) -> None:
+    """``torch.nn.utils.clip_grad_norm_`` of each member's gradients, in place.
+
+    Each member's total 2-norm is taken over all of its gradients (``grads``
+    are stacked ``(K, ...)``); a member whose norm exceeds its ``max_norm``
+    has its gradients scaled by ``max_norm / (norm + 1e-6)``, exactly torch's
+    rule and epsilon. ``clipped`` ``(K,)`` says which members clip at all: the
+    others are multiplied by exactly 1 (bit-for-bit unchanged, even with an
+    infinite or NaN norm, where torch's formula would give NaN).
+    """
+    if not grads:
+        return
+    # Per parameter, then over parameters: the order torch.nn.utils.clip_grad_norm_ sums in.
+    per_param = [g.abs() if g.dim() == 1 else torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack(per_param), dim=0)
+    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    coef = torch.where(clipped, coef, torch.ones_like(coef))
+    for g in grads:
+        g.mul_(_per_member(coef, g))
 
 
 def stacked_sgd(
@@ -330,7 +353,22 @@ def hyperparameters(family: str, config: dict) -> dict[str, Any]:
             raise ValueError(f"{name} must be a non-negative number; got {value!r}")
     spec.check(hp)
     hp["schedule"] = schedule_from_config(config)
+    hp["max_grad_norm"] = max_grad_norm_from_config(config)
     return hp
+
+
+def max_grad_norm_from_config(config: dict) -> float | None:
+    """The config's ``max_grad_norm`` (``None``, or absent: no clipping), checked.
+
+    Any optimizer family: the member's gradients are clipped to that total
+    2-norm before its update, as ``torch.nn.utils.clip_grad_norm_`` does.
+    """
+    value = config.get("max_grad_norm")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+        raise ValueError(f"max_grad_norm must be a non-negative number, or None for no clipping; got {value!r}")
+    return float(value)
 
 
 def build_torch_optimizer(family: str, params, hp: dict[str, Any]) -> torch.optim.Optimizer:
@@ -365,6 +403,10 @@ class StackedOptimizer:
         capacity, device = first.shape[0], first.device
         self.hp = {name: torch.zeros(capacity, device=device) for name in self.spec.tensor_hyperparameters}
         self.steps = torch.zeros(capacity, device=device)
+        # Each member's max_grad_norm; inf: it does not clip (config key, any family).
+        self.max_grad_norm = torch.full((capacity,), math.inf, device=device)
+        self._clipped: Tensor | None = None  # cached by _clipping: which members clip
+        self._clips: bool | None = None  # cached by _clipping: whether any does
         # Families with lazy state (SGD creates its momentum buffer on a member's
         # first step, a copy of the gradient): track which members have it.
         self.has_buffer = torch.zeros(capacity, dtype=torch.bool, device=device)
@@ -381,6 +423,8 @@ class StackedOptimizer:
     def set_member(self, slot: int, hp: dict[str, Any], saved: dict[str, Any] | None = None) -> None:
         for name, value in self.spec.values_for(hp).items():
             self.hp[name][slot] = value
+        max_norm = hp.get("max_grad_norm")
+        self.max_grad_norm[slot] = math.inf if max_norm is None else max_norm
         self._hyperparameters_changed()
         if saved is None:
             self.steps[slot] = 0
@@ -414,7 +458,7 @@ class StackedOptimizer:
 
     def tensors(self) -> list[Tensor]:
         """Every tensor of optimizer state, hyperparameters included."""
-        out = [self.steps, self.has_buffer, *self.hp.values()]
+        out = [self.steps, self.has_buffer, self.max_grad_norm, *self.hp.values()]
         for per_param in self.state.values():
             out.extend(per_param.values())
         return out
@@ -443,6 +487,7 @@ class StackedOptimizer:
         self.params = params
         self.steps = self.steps[index].clone()
         self.has_buffer = self.has_buffer[index].clone()
+        self.max_grad_norm = self.max_grad_norm[index].clone()
         self.hp = {n: t[index].clone() for n, t in self.hp.items()}
         self.state = {n: {s: t[index].clone() for s, t in pp.items()} for n, pp in self.state.items()}
         self._without_buffer = {new for new, old in enumerate(rows) if old in self._without_buffer}
@@ -451,6 +496,16 @@ class StackedOptimizer:
 
     def _hyperparameters_changed(self) -> None:
         self._terms = self._inputs = None
+        self._clipped = self._clips = None
+
+    def _clipping(self) -> Tensor | None:
+        """Which members clip their gradients (``(K,)`` bool), or ``None`` when
+        none does: then the step skips clipping altogether (cached until a
+        member's hyperparameters change, so no device sync per step)."""
+        if self._clips is None:
+            self._clipped = torch.isfinite(self.max_grad_norm)
+            self._clips = bool(self._clipped.any())
+        return self._clipped if self._clips else None
 
     def needed_terms(self) -> dict[str, bool]:
         """Which terms some member needs (cached until a member's hyperparameters change)."""
@@ -490,8 +545,12 @@ class StackedOptimizer:
             self.steps.add_(active.to(self.steps.dtype))
         spec = self.spec
         params, state = self._with_grads()
+        grads = [p.grad for p in params]
+        clipped = self._clipping()
+        if clipped is not None:  # before the update reads them (SGD adds weight decay into them in place)
+            clip_grad_norms(grads, self.max_grad_norm, clipped)
         extra = {"all_have_buffer": not self._without_buffer} if spec.lazy_state else {}
-        spec.update(params, [p.grad for p in params], *state, lr=lr, active=active, all_active=all_active,
+        spec.update(params, grads, *state, lr=lr, active=active, all_active=all_active,
                     **self._update_inputs(), **extra)
         if spec.lazy_state:
             self.has_buffer |= active

@@ -3,14 +3,18 @@
 Same initial weights (``torch.manual_seed(seed); task.model(config)``), same
 per-seed batch order, same losses and schedules, the same precision (the
 forward pass and loss under the task's autocast), and the stock
-``torch.optim`` optimizers. Every fused path is tested against this, and the
-plain-Tune baseline trains with it.
+``torch.optim`` optimizers, ``F.cross_entropy(..., label_smoothing=)`` and
+``torch.nn.utils.clip_grad_norm_`` (config keys ``label_smoothing`` and
+``max_grad_norm``), and the task's own metrics on the whole validation split.
+Every fused path is tested against this, and the plain-Tune baseline trains
+with it.
 """
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import losses
@@ -20,6 +24,7 @@ from .precision import autocast
 from .schedules import scheduled_lr
 from .seeds import as_seed, config_seed
 from .task import Task, TensorSplit
+from .task_metrics import as_metric_outputs, compute_metric
 
 
 def resolve_seed(config: dict, seed: int | None) -> int:
@@ -48,6 +53,7 @@ class ReferenceRun:
         self.seed = resolve_seed(config, seed)
         family = task.optimizer_for(config)
         self.hp = hyperparameters(family, config)
+        self.label_smoothing = losses.label_smoothing_from_config(task.loss, config)
         self.model = task.build_model(config, self.seed).to(self.device)
         self.optimizer = build_torch_optimizer(family, self.model.parameters(), self.hp)
         train_split, val_split = task.load_data()
@@ -79,8 +85,13 @@ class ReferenceRun:
                 group["lr"] = scheduled_lr(self.hp["lr"], self.hp["schedule"], self.step)
             optimizer.zero_grad(set_to_none=True)
             with autocast(self.task.precision, device):
-                loss = self.task.loss_fn(model(x), y).mean()
+                if self.label_smoothing:
+                    loss = F.cross_entropy(model(x), y, reduction="none", label_smoothing=self.label_smoothing).mean()
+                else:
+                    loss = self.task.loss_fn(model(x), y).mean()
             loss.backward()
+            if self.hp["max_grad_norm"] is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), self.hp["max_grad_norm"])
             optimizer.step()
             loss_sum += loss.detach()
             self.step += 1
@@ -91,19 +102,30 @@ class ReferenceRun:
 
 @torch.no_grad()
 def evaluate(task: Task, model: nn.Module, val_split, device: torch.device) -> dict[str, float]:
-    """``val_loss`` (and ``val_accuracy`` for classification) of one model."""
+    """``val_loss`` (and ``val_accuracy`` for classification) of one model,
+    and each of the task's metrics on its outputs for the whole split (a
+    metric that raises raises :class:`chorus_tune.task_metrics.MetricError`)."""
     model.eval()
     loss_sum = torch.zeros((), device=device)
     correct = torch.zeros((), device=device)
     count = 0
+    metrics = task.metrics or {}
+    outputs, targets = [], []
     for x, y in eval_batches(val_split, task.eval_batch_size, device):
         with autocast(task.precision, device):
             output = model(x)
             loss_sum += task.loss_fn(output, y).float().sum()
         if task.is_classification:
             correct += losses.accuracy_count(output, y)
+        if metrics:
+            outputs.append(as_metric_outputs(output))
+            targets.append(y)
         count += int(y.shape[0])
     out = {"val_loss": (loss_sum / count).item()}
     if task.is_classification:
         out["val_accuracy"] = (correct / count).item()
+    if metrics:
+        all_outputs, all_targets = torch.cat(outputs), torch.cat(targets)
+        for name, metric in metrics.items():
+            out[name] = compute_metric(name, metric, all_outputs, all_targets)
     return out

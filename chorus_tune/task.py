@@ -12,6 +12,7 @@ from torch.utils.data import Dataset, TensorDataset
 from .losses import LossFn, resolve_loss
 from .optim import OPTIMIZERS  # noqa: F401  (the families' names, from optim.FAMILIES; imported from here too)
 from .precision import check_precision
+from .task_metrics import Metric, check_metrics
 
 if TYPE_CHECKING:  # stack.py imports this module
     from .stack import StructuralKey
@@ -75,6 +76,11 @@ class Task:
     ``compile=True`` lets a bucket's route probe try ``torch.compile`` of the
     fused step, checked against the per-member loop like any route
     (docs/design.md D8).
+
+    ``metrics``: ``{name: fn(outputs, targets) -> float}`` (or torchmetrics-style
+    objects with ``reset``/``update``/``compute``), computed for every member at
+    every evaluation on its outputs for the whole validation split, and
+    reported under ``name`` (``chorus_tune/task_metrics.py``).
     """
 
     model: ModelFactory
@@ -87,6 +93,7 @@ class Task:
     data_seed: int = 0
     precision: str = "fp32"
     compile: bool = False
+    metrics: dict[str, Metric] | None = None
     _loaded: tuple | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -100,6 +107,7 @@ class Task:
         check_precision(self.precision)
         if not isinstance(self.compile, bool):
             raise TypeError(f"compile must be True or False; got {self.compile!r}")
+        self.metrics = check_metrics(self.metrics) or None
 
     def __getstate__(self) -> dict:
         # Loaded data is a cache: it travels once through the object store as the

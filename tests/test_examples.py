@@ -17,6 +17,7 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
     ("optuna_search.py", "best val_loss"),
     ("pbt.py", "load_model -> Sequential"),
     ("cnn_batchnorm.py", "load_model -> DigitsCNN, eval mode: True"),
+    ("regression_mae.py", "best val_mae"),
 ])
 def test_example_runs_in_fast_mode(script, expected, tmp_path):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",

@@ -425,17 +425,19 @@ class ChorusBucket:
             try:
                 out, states = await self._in_thread(self._train, sorted(members))
             except Exception as exc:  # noqa: BLE001 - every member of the iteration must hear of it
-                from chorus_tune.bucket import MemberOutOfMemory
+                from chorus_tune.bucket import MemberFailure
 
-                if not isinstance(exc, MemberOutOfMemory):
+                if not isinstance(exc, MemberFailure):
                     logger.exception("%s: iteration failed", self.name)
                     self._fail_members(members, exc)
                     return
-                # The others finished their iteration in smaller groups; only
-                # the members that ran out even alone fail (with a plain error:
-                # their trial actors must not need torch to read it).
+                # The others finished their iteration (in smaller groups after
+                # running out of memory); only the members that ran out even
+                # alone, or whose task metric failed, fail, each with its own
+                # message (a plain error: their trial actors must not need torch to read it).
                 logger.warning("%s: %s", self.name, exc)
-                self._fail_members({slot: members[slot] for slot in exc.slots}, RuntimeError(str(exc)))
+                for slot, message in exc.errors.items():
+                    self._fail_members({slot: members[slot]}, RuntimeError(message))
                 out = exc.results
                 states = await self._in_thread(self._states, sorted(out))
             seconds = time.perf_counter() - start
