@@ -99,12 +99,13 @@ def test_a_dropout_sweep_shares_one_bucket_and_the_probe_keeps_vmap():
 # ----- equivalence: dropout members against their own unfused runs, statistically -------------------------
 SEEDS = (0, 1, 2)
 ITERATIONS = 4
-# Measured (this test's runs, 3 seeds x 4 epochs of 10 steps): the fused
-# member's train_loss curve, averaged over seeds, is within 0.008 of its
-# own-rate reference's at every epoch (the masks differ, nothing else does);
-# a member run at a neighbouring rate of RATES is 0.02-0.09 away, at the
-# template's rate 0 up to 0.4.
-DROPOUT_LOSS_BOUND = 0.015
+# The gap: the largest, over 4 epochs of 30 steps, of |seed-mean fused
+# train_loss - seed-mean own-rate reference train_loss|, 3 seeds per rate.
+# Measured (unseeded masks): 0 at p=0, 0.008-0.026 at p=0.3-0.9 against
+# the member's own rate; against the neighbouring rate of RATES 0.096-0.18,
+# against the template's p=0 0.096-0.81. The bound sits between, with the
+# global generator seeded so that the test is deterministic.
+DROPOUT_LOSS_BOUND = 0.05
 
 
 def seed_mean_curves(runs: dict[tuple[float, int], list[float]]) -> dict[float, list[float]]:
@@ -112,8 +113,9 @@ def seed_mean_curves(runs: dict[tuple[float, int], list[float]]) -> dict[float, 
 
 
 def test_dropout_members_train_like_their_own_unfused_run_within_a_stated_bound():
-    task = dropout_task(iteration_steps=10)
-    configs = {(p, s): dict(p=p, lr=0.1, seed=100 * s + int(10 * p)) for p in RATES for s in SEEDS}
+    torch.manual_seed(0)  # the masks: vmap's and the reference's come from the global generator
+    task = dropout_task(iteration_steps=30)
+    configs = {(p, s): dict(p=p, lr=0.1, seed=10 * s + int(10 * p)) for p in RATES for s in SEEDS}
     bucket = ct.Bucket(task, len(configs), route="vmap")
     slots = {bucket.add(c): key for key, c in configs.items()}
     fused: dict[tuple[float, int], list[float]] = {key: [] for key in configs}
