@@ -24,6 +24,8 @@ from __future__ import annotations
 import contextlib
 import enum
 import math
+import sys
+import threading
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -259,38 +261,46 @@ def _probe_member_dropout(x: torch.Tensor, p: torch.Tensor, training: bool, feat
     return x * (1 - p).to(x.dtype) if training else x
 
 
-_sdpa = F.scaled_dot_product_attention
+def _probe_sdpa(original: Callable) -> Callable:
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        return original(query, key, value, attn_mask, 0.0, is_causal, **kwargs) * (1 - dropout_p)
+    return sdpa
 
 
-def _probe_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-    return _sdpa(query, key, value, attn_mask, 0.0, is_causal, **kwargs) * (1 - dropout_p)
+def _in_thread(owner: int, probe: Callable, original: Callable) -> Callable:
+    # Only the probing thread sees the probe's dropout: another thread of the
+    # process (another bucket, the user's own model) keeps real dropout.
+    def dispatch(*args: Any, **kwargs: Any) -> Any:
+        return (probe if threading.get_ident() == owner else original)(*args, **kwargs)
+    return dispatch
 
 
 @contextlib.contextmanager
 def deterministic_dropout() -> Iterator[None]:
-    """Within: every dropout runs as ``x * (1 - p)`` in train mode, with the
-    rate its module reads (stock modules and ``F.dropout`` calls their own
-    float, lifted modules the stack's per-member value, attention its
-    ``dropout_p``).
+    """Within, in this thread: every dropout runs as ``x * (1 - p)`` in train
+    mode, with the rate its module reads (stock modules and ``F.dropout``
+    calls their own float, lifted modules the stack's per-member value,
+    attention its ``dropout_p``).
 
     For the route probe (docs/design.md D8): random masks always differ
     between routes, so dropout was switched off there, and then a fused route
     that ran a member at another member's rate looked correct. Deterministic
     and still a function of the rate, the probe compares the rates in effect.
-    Process-wide while it lasts: the bucket trains in one thread.
     """
-    this = globals()
-    patches = [(F, name, _probe_dropout) for name in
-               ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")]
-    patches += [(F, "scaled_dot_product_attention", _probe_sdpa)]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
-    saved_member = {name: this[name] for name in ("member_dropout", "member_alpha_dropout")}
+    owner = threading.get_ident()
+    probes: list[tuple[Any, str, Callable]] = [
+        (F, name, _probe_dropout)
+        for name in ("dropout", "dropout1d", "dropout2d", "dropout3d", "alpha_dropout", "feature_alpha_dropout")]
+    probes.append((F, "scaled_dot_product_attention", _probe_sdpa(F.scaled_dot_product_attention)))
+    probes += [(_THIS, name, _probe_member_dropout) for name in ("member_dropout", "member_alpha_dropout")]
+    saved = [(target, name, getattr(target, name)) for target, name, _ in probes]
     try:
-        for owner, name, replacement in patches:
-            setattr(owner, name, replacement)
-        this["member_dropout"] = this["member_alpha_dropout"] = _probe_member_dropout
+        for (target, name, probe), (_, _, original) in zip(probes, saved):
+            setattr(target, name, _in_thread(owner, probe, original))
         yield
     finally:
-        for owner, name, original in saved:
-            setattr(owner, name, original)
-        this.update(saved_member)
+        for target, name, original in saved:
+            setattr(target, name, original)
+
+
+_THIS = sys.modules[__name__]

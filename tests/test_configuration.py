@@ -305,3 +305,20 @@ def test_a_rate_no_configuration_shows_is_still_caught_by_the_probe():
     bucket.add(dict(p=0.6, lr=0.05, seed=1))
     bucket.run_iteration()
     assert bucket.route == "eager" and bucket.route_reason is RouteReason.DISAGREES
+
+
+def test_the_probes_deterministic_dropout_stays_in_the_probing_thread():
+    import threading
+
+    from chorus_tune.configuration import deterministic_dropout
+
+    x = torch.ones(10_000)
+    seen = {}
+    with deterministic_dropout():
+        seen["probe"] = F.dropout(x, 0.5, True)
+        other = threading.Thread(target=lambda: seen.setdefault("other", F.dropout(x, 0.5, True)))
+        other.start()
+        other.join()
+    assert torch.equal(seen["probe"], x * 0.5)
+    assert 0.4 < (seen["other"] == 0).float().mean().item() < 0.6  # real dropout there
+    assert 0.4 < (F.dropout(x, 0.5, True) == 0).float().mean().item() < 0.6  # and here, afterwards
