@@ -11,6 +11,7 @@ from torch import nn
 
 from . import losses
 from .capacity import describe_memory, is_out_of_memory, release_memory
+from .configuration import deterministic_dropout
 from .data import BatchOrder, SharedBatches, eval_batches, first_batch
 from .member_state import check_member_state
 from .optim import OptimizerSnapshot, StackedOptimizer, hyperparameters, scheduled_lr
@@ -18,7 +19,7 @@ from .precision import autocast
 from .route import PROBE_TOLERANCE, ROUTES, ProbeResult, RouteChoice, RouteReason, decide
 from .rows import RowCopies
 from .seeds import as_seed
-from .stack import MemberStack, StructuralKey, mean_loss, module_key
+from .stack import MemberStack, StructuralKey, describe_split, mean_loss, module_key
 from .task import Task, TensorSplit
 from .task_metrics import MetricError, compute_metric
 
@@ -175,12 +176,36 @@ class Bucket:
         """The route, why (``reason``: a :class:`RouteReason` value, and its
         ``description``), the probe's best step time per route (``seconds``),
         the candidates it rejected and why, the members left out of the
-        comparison as non-finite, and the compiled route's compilations."""
+        comparison as non-finite, and the compiled route's compilations.
+
+        And the structure the bucket was opened for (docs/design.md D9):
+        ``per_member`` holds each lifted setting's value per live slot (what
+        the fused routes give each member, e.g. ``{"2.p": {0: 0.3, 1: 0.9}}``),
+        ``configuration`` the settings every member here shares, one line per
+        submodule that has any (a member differing in one of them is refused:
+        it needs a bucket of its own)."""
         report = self.routing.report()
         if self.stack is not None:
             report["compiles"] = self.stack.compiled.compiles
             report["uncompiled_calls"] = self.stack.compiled.uncompiled_calls
+            report["per_member"] = {n: {k: float(f"{float(s[k]):.6g}") for k in self.live_slots}  # float32 noise off
+                                    for n, s in self.stack.settings.items()}
+            report["configuration"] = self.describe_configuration()
         return report
+
+    def describe_configuration(self) -> list[str]:
+        """The module settings every member of this bucket shares (its key's
+        configuration), one line per submodule with any, and the lifted ones
+        named as per member. Empty before the first member."""
+        if self.key is None:
+            return []
+        lines = []
+        lifted = set(self.stack.settings)
+        for path, kind, settings in self.key.configuration:
+            own = [f"{n}={v}" for n, v in settings if n != "extra_repr"]
+            own += [f"{n.rpartition('.')[2]}=per member" for n in sorted(lifted) if n.rpartition(".")[0] == path]
+            lines.append(f"{path or '(root)'}: {kind.rsplit('.', 1)[-1]}" + (f"({', '.join(own)})" if own else ""))
+        return lines
 
     # ----- who is here ----------------------------------------------------------------------------
     @property
@@ -255,7 +280,7 @@ class Bucket:
         if self.key is not None and key != self.key:
             raise ValueError(
                 f"config {config} does not share this bucket's structure ({self.model_name}): "
-                "its parameters, buffers, batch size, optimizer or loss differ"
+                f"{describe_split(self.key, key)}"
             )
         if self.stack is None:
             self._materialise(module, key, config)
@@ -704,15 +729,16 @@ class Bucket:
     def _decide_route(self, live: list[int], size: int) -> None:
         snapshot = self._snapshot_state()
         self.stack.set_training(True)
-        switched = self.stack.disable_dropout()
         try:
             groups = [live[i:i + size] for i in range(0, len(live), size)]
-            decide(self.routing, self._candidates(), groups, self._probe_step,
-                   reset=lambda: self._restore_state(snapshot), sync=self._sync,
-                   tolerance=PROBE_TOLERANCE[self.task.precision], is_fatal=is_out_of_memory)
+            # Dropout runs as x * (1 - p), with the rate each route reads: random
+            # masks would always differ, and switching dropout off (as the probe
+            # did) hid a route that gave a member another member's rate.
+            with deterministic_dropout():
+                decide(self.routing, self._candidates(), groups, self._probe_step,
+                       reset=lambda: self._restore_state(snapshot), sync=self._sync,
+                       tolerance=PROBE_TOLERANCE[self.task.precision], is_fatal=is_out_of_memory)
         finally:
-            for m in switched:
-                m.train()
             self._restore_state(snapshot)
 
     def _probe_batch(self, live: list[int], gather: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:

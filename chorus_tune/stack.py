@@ -17,6 +17,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .compiling import CompiledCalls
+from .configuration import ModuleConfiguration, describe_difference, lift, lifted_settings, module_configuration
 from .losses import LossFn
 from .rows import RowCopies, copy_rows, put_rows
 
@@ -33,11 +34,28 @@ class StructuralKey(NamedTuple):
     optimizer: str  # the optimizer family's name
     loss: str
     data: str  # "static", or the data callable's qualified name
+    # Every submodule's type and settings, the per-member (lifted) ones left out
+    # (chorus_tune/configuration.py): who may share the vmap template.
+    configuration: ModuleConfiguration = ()
+
+
+def describe_split(ours: StructuralKey, theirs: StructuralKey) -> str:
+    """Why members of these two keys cannot share a bucket, in words."""
+    fields = [f for f in StructuralKey._fields if getattr(ours, f) != getattr(theirs, f)]
+    if fields == ["configuration"]:
+        return ("their module configurations differ in settings the stack cannot give each member: "
+                + describe_difference(ours.configuration, theirs.configuration))
+    names = {"model_class": "model class", "parameters": "parameters", "buffers": "buffers",
+             "batch_size": "batch size", "optimizer": "optimizer family", "loss": "loss", "data": "data",
+             "configuration": "module configuration"}
+    return "their " + ", ".join(names[f] for f in fields) + " differ"
 
 
 def structural_key(task, config: dict) -> StructuralKey:
     """Who may share a bucket (docs/design.md D9): same class, parameter and buffer
-    names/shapes/dtypes, batch size, optimizer family, loss and data.
+    names/shapes/dtypes, batch size, optimizer family, loss, data, and module
+    configuration (each submodule's type and the settings the stack does not
+    give each member: chorus_tune/configuration.py).
 
     The model is built on the ``meta`` device: no memory, no initialisation
     cost. Raises what the model factory raises.
@@ -65,6 +83,7 @@ def module_key(task, config: dict, module: nn.Module) -> StructuralKey:
         optimizer=task.optimizer_for(config),
         loss=loss,
         data=data,
+        configuration=module_configuration(module),
     )
 
 
@@ -72,13 +91,15 @@ def module_tensors(module: nn.Module) -> tuple[Tensors, Tensors]:
     return dict(module.named_parameters()), dict(module.named_buffers())
 
 
-def _dropout_modules(module: nn.Module) -> list[nn.Module]:
-    return [m for m in module.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
-
-
 class MemberStack:
     """Stacked parameters and buffers of up to ``capacity`` members, plus each
     member's module skeleton (on the ``meta`` device: no second copy of weights).
+
+    ``settings`` holds each member's lifted settings (dropout rates, ...:
+    chorus_tune/configuration.py) as ``(capacity,)`` tensors, which the
+    template's lifted modules read on the vmap routes. They are not member
+    state: a member's come from its own module (its config), every time it is
+    put in.
 
     :meth:`call` runs a function of each member's output through one of the
     routes: ``"vmap"`` (one vmap'd call through the template skeleton),
@@ -101,9 +122,14 @@ class MemberStack:
         self.skeletons: list[nn.Module | None] = [None] * capacity
         # The vmap routes run every member through this one skeleton. One fixed
         # module (not the first live member's) so that a compiled call's guards
-        # on it hold across membership changes; a member whose own skeleton
-        # behaves differently is what the route probe catches.
-        self.template = copy.deepcopy(template).to("meta")
+        # on it hold across membership changes; its lifted modules read each
+        # member's settings from ``settings``. A member whose own skeleton
+        # behaves differently in a way no configuration shows is what the
+        # route probe catches.
+        self.template = lift(copy.deepcopy(template)).to("meta")
+        self.settings: Tensors = {
+            n: torch.zeros(capacity, device=device) for n in lifted_settings(template)
+        }
         self.compiled = compiled if compiled is not None else CompiledCalls()
 
     # ----- members in and out -------------------------------------------------------------------
@@ -114,6 +140,8 @@ class MemberStack:
                 self.params[n][slot].copy_(p)
             for n, b in buffers.items():
                 self.buffers[n][slot].copy_(b)
+            for n, value in lifted_settings(module).items():
+                self.settings[n][slot] = value
         self.skeletons[slot] = copy.deepcopy(module).to("meta")
 
     def load_into(self, slot: int, module: nn.Module) -> nn.Module:
@@ -137,6 +165,7 @@ class MemberStack:
                 n: p[index].detach().clone().requires_grad_(p.requires_grad) for n, p in self.params.items()
             }
             self.buffers = {n: b[index].clone() for n, b in self.buffers.items()}
+            self.settings = {n: s[index].clone() for n, s in self.settings.items()}
         self.skeletons = [self.skeletons[r] for r in rows]
         self.capacity = len(rows)
 
@@ -172,12 +201,9 @@ class MemberStack:
         for skeleton in self._live_skeletons():
             skeleton.train(training)
 
-    def disable_dropout(self) -> list[nn.Module]:
-        """Switch dropout off (for the route probe, where random masks would always differ)."""
-        switched = [m for s in self._live_skeletons() for m in _dropout_modules(s) if m.training]
-        for m in switched:
-            m.eval()
-        return switched
+    def member_settings(self, slot: int) -> dict[str, float]:
+        """The lifted settings the fused routes give ``slot``."""
+        return {n: float(s[slot]) for n, s in self.settings.items()}
 
     # ----- the routes ---------------------------------------------------------------------------
     def call(self, route: str, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool,
@@ -201,15 +227,18 @@ class MemberStack:
         """``fn(output, target)`` of every row at once (or of ``rows`` only,
         zeros elsewhere), through the template skeleton."""
         if rows is None:
-            params, buffers = self.params, self.buffers
+            params, buffers, settings = self.params, self.buffers, self.settings
         else:
             index = torch.tensor(rows, device=self.device)
             params = {n: p.index_select(0, index) for n, p in self.params.items()}  # gradients flow back
             buffers = {n: b.index_select(0, index) for n, b in self.buffers.items()}
+            settings = {n: s.index_select(0, index) for n, s in self.settings.items()}
+        # The lifted modules' buffers take each member's settings like any buffer.
+        inputs = {**buffers, **settings}
         if compiled:
-            out = self.compiled.call(self._vmapped, fn, shared, params, buffers, x, y)
+            out = self.compiled.call(self._vmapped, fn, shared, params, inputs, x, y)
         else:
-            out = self._vmapped(fn, shared)(params, buffers, x, y)
+            out = self._vmapped(fn, shared)(params, inputs, x, y)
         if rows is None:
             return out
         with torch.no_grad():  # train-mode BatchNorm updated the gathered copies

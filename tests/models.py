@@ -44,17 +44,19 @@ def cnn(config: dict) -> nn.Module:
 
 
 class MaybeResidual(nn.Module):
-    """Same parameters whatever the config; the forward reads a per-instance flag."""
+    """Same parameters whatever the config; the forward reads a per-instance flag
+    kept where no module configuration looks (a dict: docs/design.md D9), so
+    members differing in it share a bucket and only the route probe can tell."""
 
     def __init__(self, use_residual: bool):
         super().__init__()
-        self.use_residual = use_residual
+        self.options = {"use_residual": use_residual}
         self.inner = nn.Linear(64, 64)
         self.head = nn.Linear(64, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inner(x))
-        if self.use_residual:
+        if self.options["use_residual"]:
             h = h + x
         return self.head(h)
 

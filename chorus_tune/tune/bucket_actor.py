@@ -225,6 +225,10 @@ class ChorusBucket:
                     self.book.set_plan(member, join.plan)  # unless a scheduler's plan came meanwhile
                 self.book.place(member, slot, iteration=0 if state is None else int(state["iteration"]),
                                 state=state)
+                if len(self.core.live_slots) == 1 and self.core.fused_steps == 0:  # first member: structure known
+                    logger.info("%s: structure %s; per member: %s; shared configuration: %s", self.name,
+                                self.model_name, ", ".join(self.core.stack.settings) or "nothing",
+                                "; ".join(self.core.describe_configuration()))
                 if self.book.max_queue == _MAX_QUEUE:
                     self._size_queue(slot)
         except Exception as exc:  # noqa: BLE001 - the factory (or state) is this member's problem only

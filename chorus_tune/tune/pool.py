@@ -150,6 +150,8 @@ class ChorusPool:
         task = self.tasks[task_id_]
         skey = task.structural_key(config)  # raises the factory's own error for a bad config
         key = GroupKey(task_id_, options, self._model_name(task, config), skey)
+        if key not in self.key_info:
+            _log_split(key, self.key_info)
         self.key_info.setdefault(key, key)
         return key
 
@@ -712,6 +714,18 @@ class ChorusPool:
     async def shutdown(self) -> None:
         for name in list(self.handles):
             await self._close_actor(name)
+
+
+def _log_split(key: GroupKey, known: dict[GroupKey, GroupKey]) -> None:
+    """Say why a new structure of a model already seen gets buckets of its own
+    (docs/design.md D9): say, members whose activation differs."""
+    from chorus_tune.stack import describe_split
+
+    for other in known:
+        if (other.task_id, other.options, other.model_name) == (key.task_id, key.options, key.model_name):
+            logger.info("pool: %s members of another structure get buckets of their own: %s", key.model_name,
+                        describe_split(other.structural_key, key.structural_key))
+            return
 
 
 def _log_size(key: GroupKey, done: asyncio.Future) -> None:

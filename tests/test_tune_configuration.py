@@ -1,0 +1,40 @@
+"""Module settings through tune.Tuner (docs/design.md D9): a dropout sweep stays in one bucket per width."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import ray.cloudpickle
+from ray import tune
+from torch import nn
+
+from chorus_tune.tune import ChorusSearch, ChorusTrainable
+
+from tune_support import digits_task, run_config
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = pytest.mark.usefixtures("local_ray")
+
+
+def dropout_mlp(config: dict) -> nn.Module:
+    width = config["width"]
+    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Dropout(config["p"]), nn.Linear(width, 10))
+
+
+def test_a_dropout_sweep_stays_in_one_vmapped_bucket_per_width(tmp_path):
+    trainable = ChorusTrainable.for_task(digits_task(model=dropout_mlp, iteration_steps=4), bucket_size=4,
+                                         max_buckets=2, route="vmap")
+    space = {"width": tune.grid_search([16, 32]), "p": tune.grid_search([0.0, 0.3, 0.6, 0.9])}
+    results = tune.Tuner(
+        trainable, param_space=space,
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=8, reuse_actors=True,
+                                    search_alg=ChorusSearch(task=trainable)),
+        run_config=run_config(tmp_path, iterations=2),
+    ).fit()
+    assert not results.errors and len(results) == 8
+    buckets: dict[int, set[str]] = {}
+    for result in results:
+        buckets.setdefault(result.config["width"], set()).add(result.metrics["chorus/bucket"])
+        assert result.metrics["chorus/route"] == "vmap"
+    assert {width: len(names) for width, names in buckets.items()} == {16: 1, 32: 1}
+    assert buckets[16] != buckets[32]
