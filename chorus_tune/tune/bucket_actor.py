@@ -488,6 +488,9 @@ class ChorusBucket:
     async def _reap_loop(self) -> None:
         while not self._closed.is_set():
             await asyncio.sleep(self.options.reap_interval_s)
+            if self._pool is not None and await self._client_dead(self._pool):
+                await self._orphaned()
+                return
             try:
                 for member, client in list(self.clients.items()):
                     if member in self._waiters or client is None:
@@ -501,6 +504,17 @@ class ChorusBucket:
                         self._notify_pool(member, "reaped")
             except Exception:  # noqa: BLE001 - the reaper must survive anything
                 logger.exception("%s: reaper", self.name)
+
+    async def _orphaned(self) -> None:
+        """The pool that made this bucket died (docs/design.md "Faults": the pool
+        is lost). Nobody can place members here or close it any more, and it
+        would hold its GPU for good while a new pool's buckets wait for one: it
+        answers its waiting trials, saying why, and ends itself. Their trials
+        restart from their checkpoints in the new pool's buckets."""
+        logger.warning("%s: its pool died: closing (its trials restart from their checkpoints)", self.name)
+        await self.close(reason="its pool died")
+        await asyncio.sleep(0.5)  # let the answers to waiting trials leave before the process ends
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def _client_dead(self, client: Any) -> bool:
         try:
@@ -534,6 +548,10 @@ class ChorusBucket:
             "pid": os.getpid(), "oom_recoveries": self.core.oom_recoveries,
         }
 
+    async def progress(self) -> int:
+        """Iterations run so far (the pool's progress count for waiting trials)."""
+        return self.iterations
+
     async def drained(self) -> bool:
         """Nothing left here that a trial could still read (the pool may close it)."""
         return all(r.drained for r in self.book.records.values())
@@ -543,11 +561,12 @@ class ChorusBucket:
         self._start()
         await self._closed.wait()
 
-    async def close(self) -> None:
+    async def close(self, reason: str | None = None) -> None:
         self._start()
+        why = f"bucket {self.name} was closed" + (f": {reason}" if reason else "")
         for waiter in self._waiters.values():
             if not waiter.done():
-                waiter.set_exception(MemberError(f"bucket {self.name} was closed"))
+                waiter.set_exception(MemberError(why))
         self._closed.set()
         self._poke()
         for task in self._tasks:
