@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from chorus_tune.tune.placement import Placement
-from chorus_tune.tune.waits import Stall, StalledWait, fits_a_node
+from chorus_tune.tune.waits import Stall, StalledWait, fits_a_node, idle_members
 
 
 class Clock:
@@ -60,3 +60,10 @@ def test_the_queue_says_how_many_of_a_key_wait_before_a_trial():
     assert p.waiting_ahead("c") == ("k2", 0)
     assert p.waiting_ahead("d") == ("k1", 1)
     assert p.waiting_ahead("a") is None  # placed
+
+
+def test_members_whose_trials_stopped_asking_give_their_slots_up_oldest_first():
+    asked = {"a": 0.0, "b": 50.0, "c": 10.0, "d": 95.0}
+    # "c" is waiting for a result now (busy); "d" asked 5 s ago; "e" was never read.
+    assert idle_members(asked, ["a", "b", "c", "d", "e"], busy={"c"}, now=100.0, idle_s=30.0) == ["a", "b"]
+    assert idle_members(asked, ["a", "b"], busy=set(), now=20.0, idle_s=30.0) == []

@@ -33,6 +33,7 @@ from .members import MemberBook, Phase, Plan
 from .metrics import BucketMetrics
 from .options import BucketOptions, Join
 from .resources import bucket_threads, pick_device
+from .waits import Evicted, idle_members
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class ChorusBucket:
         self.iterations = 0
         self.compactions = 0
         self._waiters: dict[str, asyncio.Future] = {}
+        self._asked_at: dict[str, float] = {}  # member -> when its trial last asked for a result
+        self.evicted: set[str] = set()  # members whose slot went to a waiting member (evict_idle)
         self._joining: dict[str, asyncio.Task] = {}
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
@@ -170,6 +173,7 @@ class ChorusBucket:
             # afresh: the trial actor that read it before may be dead.
             self.clients[member] = client
         self.retired.pop(member, None)
+        self.evicted.discard(member)
         if member not in self.ever:
             self.ever.append(member)
         if join is not None and member not in self._joining:
@@ -331,9 +335,13 @@ class ChorusBucket:
         ``join`` is given by a trial on its first request: the member is built
         then (a member seated by ChorusSearch was built already)."""
         self._start()
+        if member in self.evicted:
+            raise Evicted(f"member {member} gave its slot in bucket {self.name} to a waiting member: its trial "
+                          "had not asked for a result for a while; it rejoins from its last result")
         record = self.book.get(member)
         if record is None or record.phase is Phase.LEFT:
             raise MemberError(f"member {member} is not in bucket {self.name}")
+        self._asked_at[member] = time.monotonic()
         if client is not None:
             self.clients[member] = client
         if record.phase is Phase.RESERVED:
@@ -547,6 +555,22 @@ class ChorusBucket:
             **self.where(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "pid": os.getpid(), "oom_recoveries": self.core.oom_recoveries,
         }
+
+    async def evict_idle(self, idle_s: float) -> list[str]:
+        """Members in slots whose trials have read from them but not asked for
+        a result for ``idle_s`` leave, keeping their state at the last result
+        read (:meth:`save` still serves it); the pool gives their slots to
+        waiting members. A trial that asks again hears :class:`Evicted` and
+        rejoins from that state, on the same trajectory."""
+        self._start()
+        read = [r.member for r in self.book.in_slots() if r.taken >= 1 and not r.building]
+        out = idle_members(self._asked_at, read, set(self._waiters), time.monotonic(), idle_s)
+        for member in out:
+            logger.info("%s: %s gives its slot to a waiting member: its trial has not asked for a result "
+                        "for %.0fs", self.name, member, idle_s)
+            await self.leave(member, keep_state=True)
+            self.evicted.add(member)
+        return out
 
     async def progress(self) -> int:
         """Iterations run so far (the pool's progress count for waiting trials)."""

@@ -37,7 +37,7 @@ from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
 from .resources import bucket_actor_options, bucket_budget, bucket_resources, shared_threads
 from .sizing import fit_summary, measure_bucket_size
-from .waits import fits_a_node
+from .waits import EVICT_IDLE_S, fits_a_node
 
 logger = logging.getLogger(__name__)
 
@@ -707,12 +707,30 @@ class ChorusPool:
                          + ("which no alive node has" if hopeless else f"held now by {holders or 'nothing'}"))
         elif self.placement is not None and self.placement.is_waiting(member):
             key, ahead = self.placement.waiting_ahead(member)
+            await self._evict_idle(key)
             buckets = [f"{b} ({len(r.members)}/{r.capacity})" for b, r in self.placement.buckets.items()]
             waits_for = (f"a slot in a bucket of {key.model_name} ({ahead} member(s) queued before it; "
                          f"{len(buckets)} of {self.placement.max_buckets} bucket(s) open: {buckets})")
         else:
             waits_for = f"member {member}, which the pool does not know"
         return {"waits_for": waits_for, "progress": self._events + await self._iterations(), "hopeless": hopeless}
+
+    async def _evict_idle(self, key: GroupKey) -> None:
+        """Members of ``key`` wait for a slot: full buckets of ``key`` give up the
+        slots of members whose trials stopped asking (see ``waits.EVICT_IDLE_S``)."""
+        for name, record in list(self.placement.buckets.items()):
+            handle = self.handles.get(name)
+            if record.key != key or record.free > 0 or handle is None or "node_id" not in self.history.get(name, {}):
+                continue
+            try:
+                evicted = await handle.evict_idle.remote(EVICT_IDLE_S)
+            except RayActorError:
+                continue
+            for member in evicted:
+                if self.homes.get(member) == name:
+                    self.homes.pop(member)
+                if self.placement.bucket_of(member) == name:
+                    await self._apply(self.placement.remove(member))
 
     async def _iterations(self) -> int:
         """Iterations run by the buckets that started (one that does not answer in time counts 0)."""

@@ -25,7 +25,7 @@ from .actor_log import log_to_actor_stdout
 from .options import BucketOptions, Join, member_seed
 from .pool import NEED_TASK, Reservation, call_pool, get_pool, pool_lost, task_id
 from .resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
-from .waits import Stall, StalledWait
+from .waits import Evicted, Stall, StalledWait
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +186,8 @@ class ChorusTrainable(Trainable):
                              timeout=self.result_timeout_s)
         except RayActorError as exc:
             self._lost_bucket(exc)
+        except Evicted:
+            return self._rejoin()
         except GetTimeoutError as exc:
             raise TimeoutError(
                 f"trial {self.trial_id} waited {self.result_timeout_s}s (result_timeout_s) for member "
@@ -294,6 +296,20 @@ class ChorusTrainable(Trainable):
             if status["hopeless"]:
                 raise StalledWait(f"{what}: it waits for {status['waits_for']}, so it can never start")
             stall.seen(status["progress"], status["waits_for"])
+
+    def _rejoin(self) -> dict:
+        """Our member gave its slot to a waiting one (we had not asked for a
+        while): take its state at the last result we read and join again, in
+        the queue like any member, so the next result is the one it owed."""
+        try:
+            state = ray.get(self._bucket.save.remote(self._member), timeout=self.result_timeout_s)
+        except RayActorError as exc:
+            self._lost_bucket(exc)
+        logger.info("trial %s: member %s gave its slot up while idle; it rejoins", self.trial_id, self._member)
+        self._leave()
+        self._pending_state = state
+        self._reserve(self.config)
+        return self.step()
 
     def _announce(self) -> None:
         # The actor's log is where the dashboard tells which trial it serves

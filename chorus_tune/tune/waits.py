@@ -53,3 +53,26 @@ def fits_a_node(claimed: dict[str, float], nodes: list[dict[str, float]]) -> boo
     A bucket no node holds waits for good: Ray leaves such an actor pending."""
     wanted = {k: v for k, v in claimed.items() if v > 0}
     return any(all(node.get(k, 0) + 1e-9 >= v for k, v in wanted.items()) for node in nodes)
+
+
+class Evicted(RuntimeError):
+    """A bucket gave this member's slot to a member waiting for one: its trial
+    had stopped asking for results (its state at the last result it read is
+    kept: the trial picks it up and rejoins)."""
+
+
+# A member whose trial has not asked for a result for this long, while another
+# member waits for a slot of its structure, gives its slot up. Tune keeps the
+# actor of a trial that ended cached for reuse without telling it (reuse_actors):
+# its member, never told to leave, held its slot, and the members of a lost
+# bucket's trials waited for one for good (issue 20).
+EVICT_IDLE_S = 30.0
+
+
+def idle_members(asked_at: dict[str, float], candidates: list[str], busy: set[str], now: float,
+                 idle_s: float = EVICT_IDLE_S) -> list[str]:
+    """Of ``candidates`` (members in slots that their trials have read from),
+    those whose trial last asked ``idle_s`` or more ago and is not waiting for
+    a result now (``busy``), oldest ask first."""
+    idle = [m for m in candidates if m not in busy and m in asked_at and now - asked_at[m] >= idle_s]
+    return sorted(idle, key=lambda m: asked_at[m])
