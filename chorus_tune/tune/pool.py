@@ -717,10 +717,15 @@ class ChorusPool:
 
     async def _evict_idle(self, key: GroupKey) -> None:
         """Members of ``key`` wait for a slot: full buckets of ``key`` give up the
-        slots of members whose trials stopped asking (see ``waits.EVICT_IDLE_S``)."""
+        slots of members whose trials stopped asking (see ``waits.EVICT_IDLE_S``);
+        so do buckets of other keys when the budget is used up (emptied, one
+        closes and its budget opens a bucket of ``key``)."""
+        budget_used = not self.placement.can_open()
         for name, record in list(self.placement.buckets.items()):
             handle = self.handles.get(name)
-            if record.key != key or record.free > 0 or handle is None or "node_id" not in self.history.get(name, {}):
+            if handle is None or "node_id" not in self.history.get(name, {}):
+                continue  # not started: nobody in it has read anything
+            if (record.free > 0) if record.key == key else not budget_used:
                 continue
             try:
                 evicted = await handle.evict_idle.remote(EVICT_IDLE_S)
