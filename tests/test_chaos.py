@@ -22,8 +22,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.chaos
 
-# Small sweeps: an OOM, a killed trial actor, a killed pool (4 trials each; 30-100 s each on 2 busy cores).
-CI_SEEDS = (2, 15, 3)
+# A killed bucket, a killed pool (both with ChorusSearch and ChorusASHA) and 50 injected OOMs.
+CI_SEEDS = (2, 6, 17)
 MANY = int(os.environ.get("CHAOS_SEEDS", "0"))
 ON_CLUSTER = os.environ.get("CHAOS_CLUSTER") == "1"
 

@@ -312,10 +312,9 @@ class ChorusSearch(ConcurrencyLimiter):
         if not self.seating or not drawn:
             return
         from .options import member_seed
-        from .pool import NEED_TASK, get_pool
+        from .pool import NEED_TASK, call_pool, get_pool
 
         trainable = self._trainable
-        pool = get_pool(create=True)
         seats = []
         for item_id, config in drawn:
             clean = {k: v for k, v in config.items() if not k.startswith("__")}
@@ -323,11 +322,12 @@ class ChorusSearch(ConcurrencyLimiter):
             # it, and reference.train(task, config, seed) replays the member.
             seats.append((item_id, clean, member_seed(clean, self._seed_name(item_id))))
         args = [seats, trainable._task_id, None, self._options, self._plan()]
-        if ray.get(pool.seat.remote(*args)) == NEED_TASK:
+        # call_pool: a pool that died is replaced (docs/design.md "Faults"), not the run's end.
+        if call_pool("seat", *args) == NEED_TASK:
             args[2] = trainable._task_blob
-            ray.get(pool.seat.remote(*args))
+            call_pool("seat", *args)
         if self._options.auto and self._bucket_size_given is None:
-            self._learn_bucket_size(pool, seats[0][1])
+            self._learn_bucket_size(get_pool(create=True), seats[0][1])
 
     def _learn_bucket_size(self, pool: Any, config: Dict) -> None:
         # An "auto" size is measured when the first members are seated; look
@@ -351,9 +351,9 @@ class ChorusSearch(ConcurrencyLimiter):
         candidates = self.unbound
         chosen = None
         if self.seating:
-            from .pool import get_pool
+            from .pool import call_pool
 
-            chosen = ray.get(get_pool(create=True).bind.remote(trial_id, candidates))
+            chosen = call_pool("bind", trial_id, candidates)
         if chosen is None:
             chosen = candidates[0]
         self._unbound = [(i, c) for i, c in self._unbound if i != chosen]
