@@ -22,8 +22,9 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 pytestmark = pytest.mark.chaos
 
-# A killed bucket, a killed pool (both with ChorusSearch and ChorusASHA) and 50 injected OOMs.
-CI_SEEDS = (2, 6, 17)
+# A killed bucket (ChorusSearch, ChorusASHA), a killed trial actor (ChorusSearch), a killed pool
+# (Tune's search): 28, 16 and 58 s on the shared 2 cores (OOMs: tests/test_oom.py, and the many seeds).
+CI_SEEDS = (2, 7, 11)
 MANY = int(os.environ.get("CHAOS_SEEDS", "0"))
 ON_CLUSTER = os.environ.get("CHAOS_CLUSTER") == "1"
 
