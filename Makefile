@@ -31,6 +31,13 @@ lint: setup
 test-core: setup
 	$(BIN)/python -m pytest -q -m "not ray" $(PYTEST_ARGS)
 
+# The fault loop (docs/design.md "Faults"): seeds 0..SEEDS-1, each a seeded fault in a seeded
+# sweep on a local Ray; CHAOS_CLUSTER=1 runs them on a fake cluster (node loss too; minutes a seed).
+SEEDS ?= 50
+.PHONY: chaos
+chaos: setup
+	CHAOS_SEEDS=$(SEEDS) $(BIN)/python -m pytest -q -m chaos -k "many_seeds or fake_cluster" tests/test_chaos.py $(PYTEST_ARGS)
+
 clean:
 	rm -rf $(VENV) *.egg-info
 

@@ -54,6 +54,34 @@ def _as_split(split: Split, name: str) -> TensorSplit | Dataset:
     )
 
 
+def check_splits(train: TensorSplit | Dataset, val: TensorSplit | Dataset, loss: Any) -> None:
+    """Refuse, with a message that says what to change, splits that would fail
+    deep inside training or evaluation: an empty split (evaluation divided a
+    sum of nothing by zero rows: ``TypeError: unsupported operand type(s) for
+    /: 'NoneType' and 'int'``), and targets of a dtype the named loss cannot
+    take (``cross_entropy`` needs integer class indices; torch's own error
+    names neither the split nor the fix). A callable loss is the user's: its
+    targets are not checked. A ``Dataset`` without ``len`` is not checked."""
+    for name, split in (("train", train), ("val", val)):
+        try:
+            rows = len(split)
+        except TypeError:
+            continue
+        if rows == 0:
+            raise ValueError(f"Task.data: the {name} split is empty (0 samples); "
+                             f"a sweep needs samples to {'train on' if name == 'train' else 'evaluate on'}")
+        if loss == "cross_entropy" and isinstance(split, TensorSplit):
+            target = split.tensors[1]
+            if target.dtype == torch.bool or (target.ndim == 1 and not _is_integer(target)):
+                raise TypeError(f"Task.data: the {name} split's targets are {target.dtype}, but loss "
+                                "'cross_entropy' needs integer class indices: pass y as int64 (y.long()), "
+                                "or use loss='mse' for regression targets")
+
+
+def _is_integer(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex())
+
+
 @dataclass
 class Task:
     """What a sweep trains, shared by every trial of it.
@@ -139,7 +167,9 @@ class Task:
             data = self.data() if callable(self.data) else self.data
             if not isinstance(data, (tuple, list)) or len(data) != 2:
                 raise ValueError("Task.data must be (train, val) or a callable returning it")
-            self._loaded = (_as_split(data[0], "train"), _as_split(data[1], "val"))
+            loaded = (_as_split(data[0], "train"), _as_split(data[1], "val"))
+            check_splits(*loaded, self.loss)
+            self._loaded = loaded
         return self._loaded
 
     def steps_per_iteration(self, config: dict) -> int:

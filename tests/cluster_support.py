@@ -52,13 +52,13 @@ def own_ray_tmpdir():
 
 
 @contextmanager
-def fake_cluster(workers: int = 2, gpus_per_worker: int = GPUS_PER_WORKER):
+def fake_cluster(workers: int = 2, gpus_per_worker: int = GPUS_PER_WORKER, head_cpus: int = HEAD_CPUS):
     """A head (the driver and the pool; CPUs, no GPU) and ``workers`` nodes with
     CPUs and GPUs, the driver connected; shut down on leaving."""
     if ray.is_initialized():
         ray.shutdown()
     with own_ray_tmpdir():
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": HEAD_CPUS, "include_dashboard": False})
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
         try:
             nodes = [cluster.add_node(num_cpus=WORKER_CPUS, num_gpus=gpus_per_worker) for _ in range(workers)]
             ray.init(address=cluster.address, configure_logging=False)
@@ -128,9 +128,10 @@ class OpenBuckets(tune.Callback):
 
 
 def sweep(storage: str, trials: int, bucket_size: int, iterations: int, callbacks: list = (),
-          data_log: str | None = None, **run) -> tune.ResultGrid:
+          data_log: str | None = None, search: bool = True, **run) -> tune.ResultGrid:
     """``trials`` configs (8 learning rates times seeds 0, 1, ...) under FIFO,
-    seated by ChorusSearch; members train to ``iterations`` on their own.
+    seated by ChorusSearch (``search``; else Tune's default search: each trial
+    builds a member of its own); members train to ``iterations`` on their own.
     ``data_log``: the buckets note there where they loaded the data."""
     data = digits if data_log is None else functools.partial(loads_where_it_runs, data_log)
     task = Task(model=mlp, data=data, optimizer="sgd", batch_size=64)
@@ -139,7 +140,9 @@ def sweep(storage: str, trials: int, bucket_size: int, iterations: int, callback
     return tune.Tuner(
         trainable,
         param_space={"lr": tune.grid_search(lrs), "seed": tune.grid_search(list(range(trials // len(lrs))))},
-        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=trials, reuse_actors=True,
-                                    search_alg=ChorusSearch(task=trainable, max_iterations=iterations)),
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=trials if search else 1,
+                                    reuse_actors=True,
+                                    search_alg=ChorusSearch(task=trainable, max_iterations=iterations)
+                                    if search else None),
         run_config=tune.RunConfig(storage_path=storage, stop={"training_iteration": iterations}, verbose=0,
                                   callbacks=list(callbacks), **run)).fit()

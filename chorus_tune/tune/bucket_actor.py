@@ -33,6 +33,7 @@ from .members import MemberBook, Phase, Plan
 from .metrics import BucketMetrics
 from .options import BucketOptions, Join
 from .resources import bucket_threads, pick_device
+from .waits import Evicted, idle_members
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class ChorusBucket:
         self.iterations = 0
         self.compactions = 0
         self._waiters: dict[str, asyncio.Future] = {}
+        self._asked_at: dict[str, float] = {}  # member -> when its trial last asked for a result
+        self.evicted: set[str] = set()  # members whose slot went to a waiting member (evict_idle)
         self._joining: dict[str, asyncio.Task] = {}
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
@@ -170,6 +173,7 @@ class ChorusBucket:
             # afresh: the trial actor that read it before may be dead.
             self.clients[member] = client
         self.retired.pop(member, None)
+        self.evicted.discard(member)
         if member not in self.ever:
             self.ever.append(member)
         if join is not None and member not in self._joining:
@@ -344,9 +348,13 @@ class ChorusBucket:
         ``join`` is given by a trial on its first request: the member is built
         then (a member seated by ChorusSearch was built already)."""
         self._start()
+        if member in self.evicted:
+            raise Evicted(f"member {member} gave its slot in bucket {self.name} to a waiting member: its trial "
+                          "had not asked for a result for a while; it rejoins from its last result")
         record = self.book.get(member)
         if record is None or record.phase is Phase.LEFT:
             raise MemberError(f"member {member} is not in bucket {self.name}")
+        self._asked_at[member] = time.monotonic()
         if client is not None:
             self.clients[member] = client
         if record.phase is Phase.RESERVED:
@@ -509,6 +517,9 @@ class ChorusBucket:
     async def _reap_loop(self) -> None:
         while not self._closed.is_set():
             await asyncio.sleep(self.options.reap_interval_s)
+            if self._pool is not None and await self._client_dead(self._pool):
+                await self._orphaned()
+                return
             try:
                 for member, client in list(self.clients.items()):
                     if member in self._waiters or client is None:
@@ -522,6 +533,17 @@ class ChorusBucket:
                         self._notify_pool(member, "reaped")
             except Exception:  # noqa: BLE001 - the reaper must survive anything
                 logger.exception("%s: reaper", self.name)
+
+    async def _orphaned(self) -> None:
+        """The pool that made this bucket died (docs/design.md "Faults": the pool
+        is lost). Nobody can place members here or close it any more, and it
+        would hold its GPU for good while a new pool's buckets wait for one: it
+        answers its waiting trials, saying why, and ends itself. Their trials
+        restart from their checkpoints in the new pool's buckets."""
+        logger.warning("%s: its pool died: closing (its trials restart from their checkpoints)", self.name)
+        await self.close(reason="its pool died")
+        await asyncio.sleep(0.5)  # let the answers to waiting trials leave before the process ends
+        ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
     async def _client_dead(self, client: Any) -> bool:
         try:
@@ -555,6 +577,26 @@ class ChorusBucket:
             "pid": os.getpid(), "oom_recoveries": self.core.oom_recoveries,
         }
 
+    async def evict_idle(self, idle_s: float) -> list[str]:
+        """Members in slots whose trials have read from them but not asked for
+        a result for ``idle_s`` leave, keeping their state at the last result
+        read (:meth:`save` still serves it); the pool gives their slots to
+        waiting members. A trial that asks again hears :class:`Evicted` and
+        rejoins from that state, on the same trajectory."""
+        self._start()
+        read = [r.member for r in self.book.in_slots() if r.taken >= 1 and not r.building]
+        out = idle_members(self._asked_at, read, set(self._waiters), time.monotonic(), idle_s)
+        for member in out:
+            logger.info("%s: %s gives its slot to a waiting member: its trial has not asked for a result "
+                        "for %.0fs", self.name, member, idle_s)
+            await self.leave(member, keep_state=True)
+            self.evicted.add(member)
+        return out
+
+    async def progress(self) -> int:
+        """Iterations run so far (the pool's progress count for waiting trials)."""
+        return self.iterations
+
     async def drained(self) -> bool:
         """Nothing left here that a trial could still read (the pool may close it)."""
         return all(r.drained for r in self.book.records.values())
@@ -564,11 +606,12 @@ class ChorusBucket:
         self._start()
         await self._closed.wait()
 
-    async def close(self) -> None:
+    async def close(self, reason: str | None = None) -> None:
         self._start()
+        why = f"bucket {self.name} was closed" + (f": {reason}" if reason else "")
         for waiter in self._waiters.values():
             if not waiter.done():
-                waiter.set_exception(MemberError(f"bucket {self.name} was closed"))
+                waiter.set_exception(MemberError(why))
         self._closed.set()
         self._poke()
         for task in self._tasks:

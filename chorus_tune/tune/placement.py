@@ -74,6 +74,18 @@ class Placement:
         """Free slots in the open buckets of ``key`` (a new bucket may add more)."""
         return sum(b.free for b in self.buckets.values() if b.key == key)
 
+    def waiting_ahead(self, trial_id: str) -> tuple[Hashable, int] | None:
+        """``(key, trials of that key queued before it)`` of a queued trial, else ``None``."""
+        if trial_id not in self._waiting:
+            return None
+        key = self._waiting[trial_id][0]
+        ahead = 0
+        for other, (k, _) in self._waiting.items():
+            if other == trial_id:
+                return key, ahead
+            ahead += k == key
+        return key, ahead
+
     def waiting_for(self, key: Hashable) -> int:
         """Trials of ``key`` queued for a slot."""
         return sum(1 for k, _ in self._waiting.values() if k == key)

@@ -30,6 +30,7 @@ import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
+from .actor_log import log_to_actor_stdout
 from .cluster import node_cpus, pool_scheduling_strategy
 from .grouping import GroupKey, should_compact
 from .members import Plan, sum_counts
@@ -37,6 +38,7 @@ from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
 from .resources import bucket_actor_options, bucket_budget, bucket_resources, shared_threads
 from .sizing import fit_summary, measure_bucket_size
+from .waits import EVICT_IDLE_S, fits_a_node
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +50,79 @@ SCOUT_WAIT_S = 30.0
 QUEUED = "chorus/queued"
 _JOB_POLL_S = 2.0
 _DRAIN_POLL_S = 0.2
+_REALIZE_WAIT_S = 5.0  # reserve waits this long for its bucket, then the trial waits in await_placement
 
 
 def pool_name(job_id: str | None = None) -> str:
     """The pool's actor name for ``job_id`` (default: the calling process's job)."""
     return f"chorus-pool-{job_id or ray.get_runtime_context().get_job_id()}"
+
+
+def bucket_prefix(job_id: str, generation: int = 0) -> str:
+    """Names of a pool's buckets: ``chorus-bucket-<job>-<n>``, with ``-p<generation>``
+    before ``<n>`` for a pool that replaced a lost one."""
+    return f"chorus-bucket-{job_id}" + (f"-p{generation}" if generation else "")
+
+
+def _next_generation(job_id: str) -> int:
+    """How many pools this job made before this one (Ray's internal KV keeps the count)."""
+    from ray.experimental import internal_kv
+
+    key = f"chorus_tune/pools/{job_id}".encode()
+    try:
+        seen = internal_kv._internal_kv_get(key, namespace=NAMESPACE)
+        generation = int(seen) if seen is not None else 0
+        internal_kv._internal_kv_put(key, str(generation + 1).encode(), overwrite=True, namespace=NAMESPACE)
+    except Exception:  # noqa: BLE001 - outside Ray (a local test): the first pool
+        return 0
+    return generation
+
+
+class PoolLost(RuntimeError):
+    """The pool actor of this run died (docs/design.md "Faults"): what it knew
+    (who reads which member, where) is gone. Its buckets close themselves; a
+    trial that hits this restarts from its checkpoint with a new pool."""
+
+
+def pool_lost(exc: BaseException, waiting_for: str) -> PoolLost:
+    """The error a trial (or the driver) raises when the pool died while it ``waiting_for``."""
+    return PoolLost(
+        f"the chorus pool actor {pool_name()} died ({type(exc).__name__}) while {waiting_for}; its buckets "
+        "close themselves. With FailureConfig(max_failures>=1) Tune restarts the trial from its last "
+        "checkpoint, and a new pool places it in a new bucket.")
+
+
+def call_pool(method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    """``ray.get(pool.<method>.remote(*args))`` from the driver (ChorusSearch):
+    if the pool died, once more on a new pool (made now). Raises
+    :class:`PoolLost` when that fails too."""
+    for attempt in range(2):
+        try:
+            return ray.get(getattr(get_pool(create=True), method).remote(*args), timeout=timeout_s)
+        except RayActorError as exc:
+            if attempt:
+                raise pool_lost(exc, f"the driver called {method}") from exc
+            logger.warning("chorus pool %s died: making a new one", pool_name())
+            _forget_dead_pool()
+
+
+def _forget_dead_pool(wait_s: float = 10.0) -> None:
+    """Wait (at most ``wait_s``) until the dead pool's name is free: Ray
+    releases a dead actor's name soon after it dies, and a new pool needs it."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        pool = get_pool(create=False)
+        if pool is None:
+            return
+        try:
+            ray.get(pool.__ray_ready__.remote(), timeout=1.0)
+            return  # a live pool holds the name (another caller made it first)
+        except RayActorError:
+            time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - busy: alive
+            return
 
 
 def task_id(task_blob: bytes) -> str:
@@ -93,6 +163,9 @@ class ChorusPool:
         # that needs torch meanwhile waits on the import lock, never imports twice).
         threading.Thread(target=_preload_torch, name="chorus-pool-preload", daemon=True).start()
         self.job_id = job_id
+        # A pool made after this job's first one died (docs/design.md "Faults")
+        # names its buckets apart: the dead pool's buckets may still be closing.
+        self.generation = _next_generation(job_id)
         self.placement: Placement | None = None
         self.tasks: dict[str, Any] = {}
         self.blobs: dict[str, bytes] = {}
@@ -122,6 +195,9 @@ class ChorusPool:
         self._held: dict[str, tuple[GroupKey, Any]] = {}  # member -> (its key, the fallback timer)
         # Where Tune stopped trials early, per bucket (members.StopRecord): shared across the run.
         self._stops: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
+        # Counts every change of membership, start and loss: with the buckets'
+        # iterations, what tells a long wait from a stalled one (wait_status).
+        self._events = 0
         self._started = False
 
     def __repr__(self) -> str:
@@ -131,6 +207,7 @@ class ChorusPool:
     def _start(self) -> None:
         if not self._started:
             self._started = True
+            log_to_actor_stdout(logger)  # its waits and losses, in the pool actor's own log
             asyncio.get_running_loop().create_task(self._watch_job())
 
     def _learn_task(self, task_id_: str, task_blob: bytes | None) -> bool:
@@ -143,7 +220,7 @@ class ChorusPool:
 
     def _key(self, task_id_: str, options: BucketOptions, config: dict) -> GroupKey:
         if self.placement is None:
-            self.placement = Placement(self._budget(options), prefix=f"chorus-bucket-{self.job_id}")
+            self.placement = Placement(self._budget(options), prefix=bucket_prefix(self.job_id, self.generation))
         else:
             # Successive runs in one driver may size their buckets differently.
             self.placement.max_buckets = self._budget(options)
@@ -308,8 +385,15 @@ class ChorusPool:
         if placed is None:
             logger.info("pool: %s waits for a bucket (all %s in use)", trial_id, self.placement.max_buckets)
             return Reservation(trial_id, seed, plan, None, None, False, self._tokens)
-        name = await self._realize(placed)
-        return Reservation(trial_id, seed, plan, name, self.handles[name], False, self._tokens)
+        # A new bucket may wait long to start (for a GPU another bucket holds):
+        # the trial then waits in await_placement, which says what it waits for
+        # and ends (docs/design.md "Faults: every wait ends"), not in here.
+        realizing = asyncio.get_running_loop().create_task(self._realize_waiting(placed))
+        await asyncio.wait({realizing}, timeout=_REALIZE_WAIT_S)
+        if trial_id in self._unplaced:
+            raise self._unplaced.pop(trial_id)
+        name = self.homes.get(trial_id)
+        return Reservation(trial_id, seed, plan, name, self.handles.get(name), False, self._tokens)
 
     async def await_placement(self, member: str):
         """``(bucket name, handle)`` of a member waiting for a slot, once it has one
@@ -382,6 +466,7 @@ class ChorusPool:
         # Known as its home only once the bucket expects it: a trial that asks
         # the bucket before then would find no such member there.
         self.homes[member] = name
+        self._events += 1
         future = self._waiting.pop(member, None)
         if future is not None and not future.done():
             future.set_result(name)
@@ -526,6 +611,7 @@ class ChorusPool:
         except RayActorError:
             return
         if capacity is not None and name in self.placement.buckets:
+            logger.info("pool: bucket %s compacted to %d", name, capacity)
             self.placement.buckets[name].capacity = capacity
             self.history[name]["capacity"] = capacity
             self.history[name]["compactions"] = self.history[name].get("compactions", 0) + 1
@@ -535,6 +621,7 @@ class ChorusPool:
         await self._bucket_gone(name, died=True)
 
     async def _apply(self, update: Update) -> None:
+        self._events += 1
         for name in update.closed:
             asyncio.get_running_loop().create_task(self._close_when_drained(name))
         for placed in update.placed:
@@ -618,6 +705,7 @@ class ChorusPool:
         """Bucket ``name`` runs: ``where`` holds its ``node_id``, ``device``,
         ``requested_device`` and ``gpu_ids``. Kept in its history, so the stats
         say where a bucket ran after it closed or died with its node."""
+        self._events += 1
         if name in self.history:
             self.history[name].update(where)
         if name in self.handles:
@@ -644,6 +732,7 @@ class ChorusPool:
                 await self._bucket_gone(name, died=True)
 
     async def _bucket_gone(self, name: str, died: bool) -> None:
+        self._events += 1
         self.handles.pop(name, None)
         lost = [m for m, home in self.homes.items() if home == name]
         for member in lost:
@@ -657,6 +746,8 @@ class ChorusPool:
         # budget must not open buckets the cluster no longer holds.
         self.placement.max_buckets = self._budget(self.placement.buckets[name].key.options)
         _, update = self.placement.close(name)
+        logger.warning("pool: bucket %s lost with members %s; budget now %s buckets; placed %s", name, lost,
+                       self.placement.max_buckets, [(p.trial_id, p.bucket) for p in update.placed])
         await self._apply(update)
         self._share_cores()
 
@@ -674,6 +765,72 @@ class ChorusPool:
                 ray.actor.exit_actor()
 
     # ----- inspection -----------------------------------------------------------------------------
+    async def wait_status(self, member: str) -> dict[str, Any]:
+        """For the trial of ``member``, waiting for its bucket: ``waits_for``
+        (what it waits for, in words, for the error if the wait stalls),
+        ``progress`` (changes whenever anything in the sweep moves: the pool's
+        events and its buckets' iterations) and ``hopeless`` (the wait can
+        never end: its bucket claims resources that no alive node has)."""
+        name = self.placement.bucket_of(member) if self.placement is not None else None
+        hopeless = False
+        if member in self.homes:
+            waits_for = f"nothing: member {member} is in bucket {self.homes[member]}"
+        elif name is not None:
+            claimed = bucket_actor_options(self._bucket_resources(self.placement.buckets[name].key.options))
+            claimed = {"GPU": claimed["num_gpus"], **claimed.get("resources", {})}
+            totals = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
+            hopeless = not fits_a_node(claimed, totals)
+            holders = [f"{b} ({len(r.members)} members)" for b, r in self.placement.buckets.items()
+                       if b != name and b in self.handles]
+            waits_for = (f"bucket {name} to start: it claims {claimed}, "
+                         + ("which no alive node has" if hopeless else f"held now by {holders or 'nothing'}"))
+        elif member in self._held:
+            waits_for = (f"the cohort ChorusSearch seats with scout member {member} (placed alone after "
+                         f"{SCOUT_WAIT_S:.0f} s)")
+        elif self.placement is not None and self.placement.is_waiting(member):
+            key, ahead = self.placement.waiting_ahead(member)
+            await self._evict_idle(key)
+            buckets = [f"{b} ({len(r.members)}/{r.capacity})" for b, r in self.placement.buckets.items()]
+            waits_for = (f"a slot in a bucket of {key.model_name} ({ahead} member(s) queued before it; "
+                         f"{len(buckets)} of {self.placement.max_buckets} bucket(s) open: {buckets})")
+        else:
+            waits_for = f"member {member}, which the pool does not know"
+        return {"waits_for": waits_for, "progress": self._events + await self._iterations(), "hopeless": hopeless}
+
+    async def _evict_idle(self, key: GroupKey) -> None:
+        """Members of ``key`` wait for a slot: full buckets of ``key`` give up the
+        slots of members whose trials stopped asking (see ``waits.EVICT_IDLE_S``);
+        so do buckets of other keys when the budget is used up (emptied, one
+        closes and its budget opens a bucket of ``key``)."""
+        budget_used = not self.placement.can_open()
+        for name, record in list(self.placement.buckets.items()):
+            handle = self.handles.get(name)
+            if handle is None or "node_id" not in self.history.get(name, {}):
+                continue  # not started: nobody in it has read anything
+            if (record.free > 0) if record.key == key else not budget_used:
+                continue
+            try:
+                evicted = await handle.evict_idle.remote(EVICT_IDLE_S)
+            except RayActorError:
+                continue
+            for member in evicted:
+                if self.homes.get(member) == name:
+                    self.homes.pop(member)
+                if self.placement.bucket_of(member) == name:
+                    await self._apply(self.placement.remove(member))
+
+    async def _iterations(self) -> int:
+        """Iterations run by the buckets that started (one that does not answer in time counts 0)."""
+        started = [h for n, h in self.handles.items() if "node_id" in self.history.get(n, {})]
+
+        async def one(handle) -> int:
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(handle.progress.remote().future()), 5.0)
+            except Exception:  # noqa: BLE001 - busy, or dead (its death watch tells)
+                return 0
+
+        return sum(await asyncio.gather(*(one(h) for h in started)))
+
     async def bucket_of(self, member: str):
         """``(bucket name, handle)`` of the bucket holding ``member`` (a member
         or a trial id), or ``None``."""

@@ -336,9 +336,8 @@ class ChorusSearch(ConcurrencyLimiter):
         if not self.seating or not drawn:
             return
         from .options import member_seed
-        from .pool import NEED_TASK, get_pool
+        from .pool import NEED_TASK, call_pool, get_pool
 
-        pool = get_pool(create=True)
         seats = []
         for item_id, config in drawn:
             clean = {k: v for k, v in config.items() if not k.startswith("__")}
@@ -346,13 +345,14 @@ class ChorusSearch(ConcurrencyLimiter):
             # it, and reference.train(task, config, seed) replays the member.
             seats.append((item_id, clean, member_seed(clean, self._seed_name(item_id))))
         args = [seats, self._task_id, None, self._options, self._plan()]
-        if ray.get(pool.seat.remote(*args)) == NEED_TASK:
+        # call_pool: a pool that died is replaced (docs/design.md "Faults"), not the run's end.
+        if call_pool("seat", *args) == NEED_TASK:
             if self._task_blob is None:
                 raise RuntimeError(f"the pool lost task {self._task_id} that ChorusSearch learnt from its scout")
             args[2] = self._task_blob
-            ray.get(pool.seat.remote(*args))
+            call_pool("seat", *args)
         if self._options.auto and self._bucket_size_given is None:
-            self._learn_bucket_size(pool, seats[0][1])
+            self._learn_bucket_size(get_pool(create=True), seats[0][1])
 
     def _learn_bucket_size(self, pool: Any, config: Dict) -> None:
         # An "auto" size is measured when the first members are seated; look
@@ -373,7 +373,7 @@ class ChorusSearch(ConcurrencyLimiter):
         with the members seated next, so it trains, and meets its rungs, with
         them."""
         from .options import member_seed
-        from .pool import get_pool
+        from .pool import call_pool
         from .trainable import task_classes_exist
 
         if not task_classes_exist():
@@ -389,7 +389,7 @@ class ChorusSearch(ConcurrencyLimiter):
         item_id, config = pulled
         clean = {k: v for k, v in config.items() if not k.startswith("__")}
         seat = (item_id, clean, member_seed(clean, self._seed_name(item_id)))
-        ray.get(get_pool(create=True).expect_scout.remote(trial_id, seat))
+        call_pool("expect_scout", trial_id, seat)
         self._scout = trial_id
         self._scout_sent = time.monotonic()
         self._unbound = [(i, c) for i, c in self._unbound if i != item_id]
@@ -401,9 +401,9 @@ class ChorusSearch(ConcurrencyLimiter):
     def _learn_from_scout(self) -> bool:
         """Whether the scout's task is known now (asking the pool); once it is,
         seat the scout's member with the first cohort."""
-        from .pool import get_pool
+        from .pool import call_pool
 
-        learnt = ray.get(get_pool(create=True).scout_task.remote(self._scout))
+        learnt = call_pool("scout_task", self._scout)
         if learnt is None:
             if time.monotonic() - self._scout_sent > SCOUT_TIMEOUT_S:
                 self._stop_learning(f"its first trial {self._scout} did not reach a bucket in {SCOUT_TIMEOUT_S:.0f} s")
@@ -441,9 +441,9 @@ class ChorusSearch(ConcurrencyLimiter):
         candidates = self.unbound
         chosen = None
         if self.seating:
-            from .pool import get_pool
+            from .pool import call_pool
 
-            chosen = ray.get(get_pool(create=True).bind.remote(trial_id, candidates))
+            chosen = call_pool("bind", trial_id, candidates)
         if chosen is None:
             chosen = candidates[0]
         self._unbound = [(i, c) for i, c in self._unbound if i != chosen]

@@ -24,8 +24,9 @@ from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from .actor_log import log_to_actor_stdout
 from .options import BucketOptions, Join, member_seed
-from .pool import NEED_TASK, Reservation, get_pool, task_id
+from .pool import NEED_TASK, Reservation, call_pool, get_pool, pool_lost, task_id
 from .resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
+from .waits import Evicted, Stall, StalledWait
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +39,7 @@ _TASK_CLASSES: "weakref.WeakSet[type]" = weakref.WeakSet()
 
 def task_classes_exist() -> bool:
     return len(_TASK_CLASSES) > 0
+_PLACEMENT_POLL_S = 10.0  # how often a trial waiting for its bucket asks the pool what it waits for
 
 
 class BucketLost(RuntimeError):
@@ -184,7 +186,7 @@ class ChorusTrainable(Trainable):
             raise self._setup_error
         if self._bucket is None:
             # Waiting for a slot: wait here, where Tune expects a trial to take its time.
-            self._bucket_name, self._bucket = ray.get(get_pool(create=True).await_placement.remote(self._member))
+            self._bucket_name, self._bucket = self._await_placement()
             self._announce()
         join = None
         if not self._joined and not self._seated:
@@ -195,6 +197,8 @@ class ChorusTrainable(Trainable):
                              timeout=self.result_timeout_s)
         except RayActorError as exc:
             self._lost_bucket(exc)
+        except Evicted:
+            return self._rejoin()
         except GetTimeoutError as exc:
             raise TimeoutError(
                 f"trial {self.trial_id} waited {self.result_timeout_s}s (result_timeout_s) for member "
@@ -206,9 +210,12 @@ class ChorusTrainable(Trainable):
         state = self._pending_state
         if self._joined:
             try:
-                state = ray.get(self._bucket.save.remote(self._member))
+                state = ray.get(self._bucket.save.remote(self._member), timeout=self.result_timeout_s)
             except RayActorError as exc:
                 self._lost_bucket(exc)
+            except GetTimeoutError as exc:
+                raise TimeoutError(f"trial {self.trial_id} waited {self.result_timeout_s}s (result_timeout_s) "
+                                   f"for member {self._member}'s state from bucket {self._bucket_name}") from exc
         return {
             "chorus_format": CHECKPOINT_FORMAT,
             "member": state,  # bytes (chorus_tune.tune.state_io), or None before the first result
@@ -255,15 +262,15 @@ class ChorusTrainable(Trainable):
         self._unreserved = False
         self._joined = False
         self._bucket, self._bucket_name = None, None
-        pool = get_pool(create=True)
         options = self.bucket_options()
         trial = self.trial_id
         try:
             seed = member_seed(config, trial)
             args = (trial, self._task_id, None, config, options, self._client(), seed)
-            reply = ray.get(pool.reserve.remote(*args))
+            # A pool that died is made anew: this is a fresh reservation anyway.
+            reply = call_pool("reserve", *args)
             if reply == NEED_TASK:
-                reply = ray.get(pool.reserve.remote(trial, self._task_id, self._task_blob, *args[3:]))
+                reply = call_pool("reserve", trial, self._task_id, self._task_blob, *args[3:])
         except Exception as exc:  # noqa: BLE001 - e.g. the model factory raised for this config
             # Raised from step(), so that Tune reports it as this trial's error.
             self._setup_error = exc
@@ -274,6 +281,46 @@ class ChorusTrainable(Trainable):
         self._bucket_name, self._bucket = reply.bucket, reply.handle
         if self._bucket is not None:
             self._announce()
+
+    def _await_placement(self) -> tuple[str, Any]:
+        """Wait for this trial's member to get a bucket: as long as the sweep
+        moves, since a slot frees when other members finish; an error naming
+        what it waited for once nothing moves for ``result_timeout_s``, at once
+        when the bucket can never start, and when the pool dies."""
+        pool = get_pool(create=True)
+        what = f"trial {self.trial_id} waited for a bucket for member {self._member}"
+        stall = Stall(self.result_timeout_s, what)
+        ref = pool.await_placement.remote(self._member)
+        while True:
+            try:
+                return ray.get(ref, timeout=_PLACEMENT_POLL_S)
+            except GetTimeoutError:
+                pass
+            except RayActorError as exc:
+                raise pool_lost(exc, what) from exc
+            try:
+                status = ray.get(pool.wait_status.remote(self._member), timeout=_PLACEMENT_POLL_S)
+            except GetTimeoutError:
+                status = {"progress": None, "waits_for": None, "hopeless": False}  # busy: not progress
+            except RayActorError as exc:
+                raise pool_lost(exc, what) from exc
+            if status["hopeless"]:
+                raise StalledWait(f"{what}: it waits for {status['waits_for']}, so it can never start")
+            stall.seen(status["progress"], status["waits_for"])
+
+    def _rejoin(self) -> dict:
+        """Our member gave its slot to a waiting one (we had not asked for a
+        while): take its state at the last result we read and join again, in
+        the queue like any member, so the next result is the one it owed."""
+        try:
+            state = ray.get(self._bucket.save.remote(self._member), timeout=self.result_timeout_s)
+        except RayActorError as exc:
+            self._lost_bucket(exc)
+        logger.info("trial %s: member %s gave its slot up while idle; it rejoins", self.trial_id, self._member)
+        self._leave()
+        self._pending_state = state
+        self._reserve(self.config)
+        return self.step()
 
     def _announce(self) -> None:
         # The actor's log is where the dashboard tells which trial it serves
