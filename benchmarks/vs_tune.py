@@ -413,6 +413,9 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
     from chorus_tune.tune.pool import bucket_stats
 
     timeline = make_timeline()
+    # The driver's pool outlives a run and lists every bucket it ever opened:
+    # only this run's buckets count for its waste.
+    before = set(bucket_stats()) if way_kind(way) in TUNE_WAYS_CHORUS else set()
     start = time.perf_counter()
     with tempfile.TemporaryDirectory() as storage:
         tuner = tune.Tuner(
@@ -423,7 +426,8 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
         results = tuner.fit()
         wall = time.perf_counter() - start
         # Read now, while the run's buckets are still open (they close idle_close_s later).
-        stats = bucket_stats() if way_kind(way) in TUNE_WAYS_CHORUS else {}
+        stats = ({n: s for n, s in bucket_stats().items() if n not in before}
+                 if way_kind(way) in TUNE_WAYS_CHORUS else {})
     best, reached = best_final(results, args.epochs)
     hit = args.way_budget_s is not None and wall >= args.way_budget_s
     read = sum(int(r.metrics.get("training_iteration", 0)) for r in results if r.metrics)

@@ -187,3 +187,23 @@ def test_nothing_rides_past_its_cap_or_without_one():
     book.reserve("n", Plan(run_ahead=2, budget=10, speculate=True))
     book.place("n", slot=2, iteration=0)
     assert [r.member for r in book.riders([book.get("n")])] == []
+
+
+def test_a_trial_stopped_before_the_cap_its_member_reached_teaches_a_point():
+    book = book_with(Plan(run_ahead=2, budget=3, speculate=True), 1)
+    book.attach("m0")
+    run_until_idle(book)  # the member trained to its cap before its trial read anything
+    assert book.ask("m0").iteration == 1
+    book.leave("m0")  # Tune stopped it after 1
+    assert book.stops.points == (1,)
+
+
+def test_a_member_stopped_at_a_rung_by_its_bucket_teaches_nothing():
+    plan = Plan(run_ahead=2, budget=8, bucket_decides=True, rungs=(1,), metric="val_loss", sign=-1.0)
+    book = book_with(plan, 4)
+    for i in range(4):
+        book.attach(f"m{i}")
+    run(book, scores={"m0": 0.1, "m1": 0.5, "m2": 0.6, "m3": 0.7})
+    assert book.ask("m3").iteration == 1
+    book.leave("m3")  # halved at the rung: its end was the bucket's
+    assert book.stops.points == ()

@@ -106,3 +106,20 @@ def test_stock_asha_stops_on_the_fused_metrics_and_its_waste_is_bounded(tmp_path
     stopped = sum(r.metrics["training_iteration"] < max_t for r in results)
     wasted = max(r[rk.WASTED] for r in rows)
     assert wasted <= stopped * (max_t - 1)
+
+
+def test_a_run_learns_nothing_from_where_the_last_run_stopped_trials(tmp_path):
+    from chorus_tune.tune import bucket_stats
+
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=8, max_buckets=1, idle_close_s=60.0)
+    _sweep(tmp_path / "stock", trainable, ChorusSearch(task=trainable, random_state=0),
+           scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=4), trials=8, iterations=4)
+    first = bucket_stats()
+    assert any(s.get("decision_points") for s in first.values())  # stock ASHA taught its rung
+    # The next run in this driver, while the last run's bucket is still open:
+    _sweep(tmp_path / "fifo", trainable, ChorusSearch(task=trainable, random_state=1), trials=8, iterations=2)
+    for name, stats in bucket_stats().items():
+        if stats.get("closed"):
+            continue
+        assert stats.get("decision_points") == [], name

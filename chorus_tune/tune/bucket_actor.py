@@ -29,7 +29,7 @@ from ray.exceptions import RayActorError
 from . import result_keys as rk
 from . import state_io
 from .actor_log import log_to_actor_stdout
-from .members import MemberBook, Phase, Plan
+from .members import MemberBook, Phase, Plan, StopRecord
 from .metrics import BucketMetrics
 from .options import BucketOptions, Join
 from .resources import bucket_threads, pick_device
@@ -301,6 +301,10 @@ class ChorusBucket:
         self.metrics.wasted(self.book.wasted)
         self._poke()
         return True
+
+    async def reset_stops(self) -> None:
+        """A new run starts: forget where the last one's scheduler stopped trials."""
+        self.book.stops = StopRecord()
 
     async def stops_elsewhere(self, stopped: dict[int, int], continued: dict[int, int]) -> None:
         """Where Tune stopped the run's trials in its other buckets (from the pool)."""
@@ -575,6 +579,7 @@ class ChorusBucket:
             "compactions": self.compactions, "wasted": self.book.wasted, "max_queue": self.book.max_queue,
             **self.where(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "pid": os.getpid(), "oom_recoveries": self.core.oom_recoveries,
+            "decision_points": list(self.book.stops.points),
         }
 
     async def evict_idle(self, idle_s: float) -> list[str]:

@@ -133,6 +133,7 @@ class MemberRecord:
     building: bool = False  # its model is being built into a slot right now
     attached: bool = False  # a trial reads this member's results
     lagging: bool = False  # left out of the last iteration while its trial was behind
+    final: int | None = None  # the iteration the bucket made its last (budget, a rung's stop, a stop criterion)
     wasted: int = 0
     error: BaseException | None = None
 
@@ -278,8 +279,10 @@ class MemberBook:
         if record is None or record.phase is Phase.LEFT:
             return None
         slot = record.slot if record.in_slot else None
-        if record.in_slot and record.attached and record.taken >= 1:
-            # Its trial left short of its cap, and the bucket did not finish it:
+        if (record.attached and record.taken >= 1 and record.phase is not Phase.FAILED
+                and (record.final is None or record.taken < record.final)):
+            # Its trial left before the end the bucket knew of (its cap, a rung,
+            # a criterion), even if the member had trained that far already:
             # Tune stopped it after its last result (a stopper, a scheduler).
             self.stops.stop(record.taken)
         if record.phase is not Phase.FAILED:
@@ -466,7 +469,7 @@ class MemberBook:
 
     def _finish(self, record: MemberRecord) -> int:
         slot = record.slot
-        record.phase, record.slot = Phase.FINISHED, None
+        record.phase, record.slot, record.final = Phase.FINISHED, None, record.produced
         return slot
 
     # ----- what trials read -------------------------------------------------------------------------

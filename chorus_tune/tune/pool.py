@@ -429,6 +429,13 @@ class ChorusPool:
             if other != name:
                 self._send_stops(other)
 
+    async def new_run(self) -> None:
+        """A new Tune run starts in this driver (ChorusSearch says so): where
+        the last run's scheduler stopped trials says nothing of this one's."""
+        self._stops.clear()
+        for handle in list(self.handles.values()):
+            handle.reset_stops.remote()
+
     def _send_stops(self, name: str) -> None:
         others = [counts for bucket, counts in self._stops.items() if bucket != name]
         if others and name in self.handles:
@@ -734,6 +741,7 @@ class ChorusPool:
     async def _bucket_gone(self, name: str, died: bool) -> None:
         self._events += 1
         self.handles.pop(name, None)
+        self._stops.pop(name, None)
         lost = [m for m, home in self.homes.items() if home == name]
         for member in lost:
             self.homes.pop(member, None)
@@ -861,7 +869,8 @@ class ChorusPool:
             if handle is not None and "node_id" in info:
                 try:
                     live = await handle.describe.remote()
-                    entry.update({k: live[k] for k in ("node_id", "wasted", "iterations", "route", "max_queue")})
+                    entry.update({k: live[k] for k in ("node_id", "wasted", "iterations", "route", "max_queue",
+                                                       "decision_points")})
                     info.update({k: live[k] for k in ("node_id", "wasted", "iterations", "route")})
                 except RayActorError:
                     pass

@@ -211,7 +211,9 @@ class ChorusSearch(ConcurrencyLimiter):
             self._size_for_cluster()
             from .pool import get_pool
 
-            get_pool(create=True)  # starts now (a second or two) while Tune sets up the run
+            # Starts now (a second or two) while Tune sets up the run; not waited
+            # for: the pool takes its calls in order, new_run before any seat.
+            get_pool(create=True).new_run.remote()
             run_plan.search_seats_cohorts()
         ok = super().set_search_properties(metric, mode, config, **spec)
         if self._own_sampler and self._budget and self.searcher.grid_size > 1 \
