@@ -186,7 +186,10 @@ class _Straggling(ChorusTrainable):
 
 def test_a_straggling_trial_never_stalls_its_bucket_mates(tmp_path, run_ahead=2):
     task = digits_task()
-    trainable = _Straggling.for_task(task, bucket_size=4, run_ahead=run_ahead, gather_s=0.2, name="Straggling")
+    # speculate=False: members wait for their trials beyond run_ahead (the
+    # masking this tests); speculating to the stop dict's cap, nobody waits at all.
+    trainable = _Straggling.for_task(task, bucket_size=4, run_ahead=run_ahead, gather_s=0.2, name="Straggling",
+                                     speculate=False)
     finished = {}
 
     class Finish(Callback):
@@ -211,7 +214,9 @@ def test_a_straggling_trial_never_stalls_its_bucket_mates(tmp_path, run_ahead=2)
 def test_stock_asha_wastes_at_most_run_ahead_per_stopped_trial(tmp_path):
     from ray.tune.schedulers import ASHAScheduler
 
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=8, run_ahead=2)
+    # speculate=False keeps the run_ahead bound (speculation's own bound is
+    # tests/test_tune_idioms.py's).
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=8, run_ahead=2, speculate=False)
     results = tune.Tuner(
         # Best first: later arrivals at a rung are worse, so stock ASHA stops some.
         trainable, param_space={"lr": tune.grid_search([0.256 / 2 ** i for i in range(8)]), "seed": 1},
