@@ -150,17 +150,13 @@ class MemberRecord:
         return self.phase in (Phase.LEFT, Phase.FAILED)
 
 
-def _add_counts(*counts: dict[int, int]) -> dict[int, int]:
+def sum_counts(counts: Iterable[dict[int, int]]) -> dict[int, int]:
+    """Per-iteration counts of several buckets, added up."""
     total: dict[int, int] = {}
     for count in counts:
         for key, n in count.items():
             total[key] = total.get(key, 0) + n
     return total
-
-
-def sum_counts(counts: Iterable[dict[int, int]]) -> dict[int, int]:
-    """Per-iteration counts of several buckets, added up."""
-    return _add_counts(*counts)
 
 
 class StopRecord:
@@ -205,8 +201,8 @@ class StopRecord:
         self._learn()
 
     def _learn(self) -> None:
-        stopped, continued = _add_counts(self.stopped, self.elsewhere[0]), _add_counts(self.continued,
-                                                                                       self.elsewhere[1])
+        stopped = sum_counts((self.stopped, self.elsewhere[0]))
+        continued = sum_counts((self.continued, self.elsewhere[1]))
         self._points = sorted(
             t for t, n in stopped.items()
             if n / (n + continued.get(t, 0)) >= self.min_stop_rate)
@@ -315,11 +311,16 @@ class MemberBook:
     def limit(self, record: MemberRecord) -> float:
         """The iteration ``record`` may be computed up to now."""
         plan = record.plan
-        limit = math.inf if plan.budget is None else plan.budget
+        hard = self._hard_limit(record)
         if plan.run_ahead == 0:
-            limit = min(limit, record.asked)  # strict lockstep, whatever the bucket knows
-        elif not plan.bucket_decides:
-            limit = self._tune_decides_limit(record, limit)
+            return min(hard, record.asked)  # strict lockstep, whatever the bucket knows
+        if not plan.bucket_decides:
+            return min(hard, self._tune_decides_limit(record, math.inf if plan.budget is None else plan.budget))
+        return hard
+
+    def _hard_limit(self, record: MemberRecord) -> float:
+        """What no decision can lift: the budget, a hold at a rung, the queue's bound."""
+        limit = math.inf if record.plan.budget is None else record.plan.budget
         if record.hold_at is not None:
             limit = min(limit, record.hold_at)
         return min(limit, record.taken + self.max_queue)
@@ -332,7 +333,7 @@ class MemberBook:
         # or after what the trial asked for is where the member waits.
         point = self.stops.next_point(max(record.asked, 1))
         if point is not None and point < cap:
-            return max(point, record.asked)
+            return point  # at or after max(asked, 1): never below what the trial asked for
         if cap != math.inf:
             return cap
         return record.asked + plan.run_ahead  # nothing known ahead: the run_ahead bound
@@ -367,10 +368,7 @@ class MemberBook:
             if (record.member in picked or record.phase is not Phase.TRAINING or not plan.speculate
                     or plan.bucket_decides or plan.run_ahead == 0 or plan.budget is None):
                 continue
-            cap = min(plan.budget, record.taken + self.max_queue)
-            if record.hold_at is not None:
-                cap = min(cap, record.hold_at)
-            if record.produced < cap:
+            if record.produced < self._hard_limit(record):
                 out.append(record)
         return out
 

@@ -416,9 +416,7 @@ class ChorusSearch(ConcurrencyLimiter):
             self.bucket_size = self._options.expected_size
         if self.max_buckets is None:
             self.max_buckets = self._options.max_buckets
-        if self._lookahead_given is None:
-            self.lookahead = 2 * self.bucket_size
-        self._size_for_cluster()
+        self._size_for_cluster()  # the look-ahead, now that the bucket options are known
         # The scout (a running trial) is seated with the first cohort, in one go.
         self._reseat(draw=True)
         logger.info("ChorusSearch learnt its task from trial %s; %d members seated", self._scout,
