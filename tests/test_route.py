@@ -46,21 +46,25 @@ def test_every_reason_says_itself_in_words_and_an_unknown_route_is_refused():
 
 
 def test_a_member_that_diverges_never_demotes_its_bucket_mates():
-    # SGD at lr=1e3 sends a CNN member's weights to ~1e28 within an iteration.
-    # When a newcomer makes the bucket probe again, that member's probe step
-    # overflows on one route and not on the other; judged with the others, it
-    # made the whole bucket fall back to the eager loop.
+    # A member whose weights have blown up (SGD at lr=1e3 takes a CNN's to
+    # ~1e28 within an iteration) gives non-finite probe rows. Judged with the
+    # others, that made the whole bucket fall back to the eager loop. Its
+    # divergence is planted (weights at 1e30): left to lr=1e3 alone, whether
+    # its probe step overflows depends on the route and on the machine.
     task = ct.Task(cnn, IMAGES, optimizer="sgd", batch_size=32, iteration_steps=5)
     bucket = ct.Bucket(task, 4)
     healthy = {bucket.add(c): c for c in (dict(lr=0.01, seed=0), dict(lr=0.02, seed=1))}
     wild = bucket.add(dict(lr=1e3, seed=2))
     first = bucket.run_iteration()
+    with torch.no_grad():
+        for name, weights in bucket.stack.params.items():
+            weights[wild].fill_(1e30)
     late = dict(lr=0.01, seed=5)
     healthy[bucket.add(late)] = late
     second = bucket.run_iteration()
     report = bucket.route_report()
-    assert bucket.route_reason is RouteReason.FASTER and report["rejected"] == {}
     assert report["nonfinite_members"] == [wild]
+    assert bucket.route_reason is RouteReason.FASTER and report["rejected"] == {}
     assert report["reason"] == "faster" and set(report["seconds"]) == {"eager", "vmap"}
     for slot, config in healthy.items():
         history = [first[slot], second[slot]] if slot in first else [second[slot]]
