@@ -244,7 +244,7 @@ def tune_space(space: dict) -> dict:
 def sample_configs(param_space: dict, n: int, random_state: int) -> list[dict]:
     """``n`` configs drawn from a random ``param_space`` exactly as ChorusSearch's sampler
     (and Tune's default generator with that ``random_state``) draws them."""
-    from chorus_tune.tune.search import SpaceSampler
+    from chorus_tune.tune.search.search import SpaceSampler
 
     sampler = SpaceSampler(random_state)
     sampler.set_search_properties(METRIC, MODE, param_space)
@@ -298,7 +298,7 @@ def settle(timeout_s: float, poll_s: float = 0.2) -> tuple[float, bool]:
     seconds waited, and whether it settled before ``timeout_s``."""
     import ray
 
-    from chorus_tune.tune.pool import bucket_stats
+    from chorus_tune.tune.execution.pool import bucket_stats
 
     start = time.perf_counter()
     while True:
@@ -410,7 +410,7 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
     """Time one ``Tuner.fit`` of the sweep, with a stop dict on every side (the Tune way)."""
     from ray import tune
 
-    from chorus_tune.tune.pool import bucket_stats
+    from chorus_tune.tune.execution.pool import bucket_stats
 
     timeline = make_timeline()
     # The driver's pool outlives a run and lists every bucket it ever opened:
@@ -481,7 +481,7 @@ def fused_block(workload: str, batch_size: int, device: str, configs: list[dict]
     metric, how many reached the end, the member-epochs trained, and the wall-clock
     time (``time.time()``) its first epoch ended."""
     torch.set_num_threads(threads)  # what a bucket of (b) gets (fused_threads)
-    from chorus_tune.tune.halving import select_survivors
+    from chorus_tune.tune.schedulers.halving import select_survivors
 
     bucket = ct.Bucket(make_task(workload, batch_size, n_train, n_val), len(configs), device=device)
     for config in configs:
@@ -518,7 +518,7 @@ def fused_threads(device: str, parallel: int, cpus: int) -> int:
     """The torch threads each (c) process gets: what a bucket of (b) gets. On a GPU a
     bucket runs one thread (its default resources, one CPU); on a CPU-only machine
     the open buckets share the node's cores (the pool's rule, ``shared_threads``)."""
-    from chorus_tune.tune.resources import bucket_threads, shared_threads
+    from chorus_tune.tune.execution.resources import bucket_threads, shared_threads
 
     if device == "cuda":
         return bucket_threads({})
@@ -538,7 +538,7 @@ def run_fused(task: ct.Task, sw: Sweep, args) -> Outcome:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from chorus_tune.tune.halving import rung_milestones
+    from chorus_tune.tune.schedulers.halving import rung_milestones
 
     rungs = set(rung_milestones(1, args.epochs, args.reduction_factor)) if args.scheduler != "fifo" else set()
     blocks = fused_blocks(task, sw.configs, args.bucket_size)

@@ -19,10 +19,10 @@ _EXPORTS = {
     "Bucket": "chorus_tune.bucket",
     "structural_key": "chorus_tune.stack",
     "model_from_state": "chorus_tune.export",
-    "ChorusTrainable": "chorus_tune.tune.trainable",
-    "load_model": "chorus_tune.tune.checkpoint",
-    "ChorusSearch": "chorus_tune.tune.search",
-    "ChorusASHA": "chorus_tune.tune.schedulers",
+    "ChorusTrainable": "chorus_tune.tune.trial.trainable",
+    "load_model": "chorus_tune.tune.trial.checkpoint",
+    "ChorusSearch": "chorus_tune.tune.search.search",
+    "ChorusASHA": "chorus_tune.tune.schedulers.asha",
 }
 _SUBMODULES = ("reference",)
 

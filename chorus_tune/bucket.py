@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 from . import losses
-from .capacity import describe_memory, is_out_of_memory, release_memory
 from .configuration import deterministic_dropout
 from .data import BatchOrder, SharedBatches, eval_batches, first_batch
 from .member_state import check_member_state
+from .memory import describe_memory, is_out_of_memory, release_memory
 from .optim import OptimizerSnapshot, StackedOptimizer, hyperparameters, scheduled_lr
 from .precision import autocast
 from .route import PROBE_TOLERANCE, ROUTES, ProbeResult, RouteChoice, RouteReason, decide

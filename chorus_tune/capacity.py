@@ -1,4 +1,7 @@
-"""How many members fit: memory meters, the out-of-memory test, and the capacity fit (docs/design.md D13).
+"""How many members fit: the capacity fit over real fused steps (docs/design.md D13).
+
+The memory primitives it reads (meters, the out-of-memory test) are
+:mod:`chorus_tune.memory`'s.
 
 A bucket's peak memory grows linearly in its member count K: every member adds
 its parameters, gradients, optimizer state and activations, and the rest (the
@@ -26,115 +29,19 @@ An injected ``meter`` still makes :func:`auto_capacity` fit on a CPU.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import math
-import os
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch.utils.data import Dataset
 
+from .bucket import Bucket
+from .memory import GIB, CudaMeter, MemoryMeter, is_out_of_memory
 from .task import Task, TensorSplit
 
 CPU_DEFAULT_CAPACITY = 16
 DEFAULT_KS = (1, 2, 4)
-_GIB = 2**30
-
-# Errors that mean an allocation failed. cuBLAS and cuDNN report a failed
-# workspace allocation as a plain RuntimeError with their status name in it, and
-# a kernel launch without memory as "CUDA error: out of memory".
-_OOM_MARKERS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` (or an error it was raised from) is an allocation failure.
-
-    ``torch.OutOfMemoryError`` anywhere (the user's forward included), and the
-    RuntimeErrors cuBLAS/cuDNN/CUDA raise when an allocation fails. Anything
-    else is a real error and must not be retried in smaller groups.
-    """
-    seen = 0
-    while exc is not None and seen < 8:  # follow `raise ... from oom`, not forever
-        if isinstance(exc, torch.OutOfMemoryError):
-            return True
-        if isinstance(exc, RuntimeError) and any(m in str(exc).lower() for m in _OOM_MARKERS):
-            return True
-        exc, seen = exc.__cause__, seen + 1
-    return False
-
-
-def release_memory(device: torch.device) -> None:
-    """Give the memory of a failed step back to the device.
-
-    Call it *after* the ``except`` block: inside it, the exception's traceback
-    still holds the failed step's frames and every activation tensor in them,
-    so emptying the cache there frees nothing. ``gc.collect`` breaks the cycles
-    a traceback stored by library code can form.
-    """
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def host_memory() -> tuple[int, int]:
-    """(available, total) bytes of host memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            fields = dict(line.split(":", 1) for line in f)
-        kib = {k: int(v.split()[0]) * 1024 for k, v in fields.items() if k in ("MemAvailable", "MemTotal")}
-        return kib["MemAvailable"], kib["MemTotal"]
-    except (OSError, KeyError, ValueError):
-        page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-
-
-def describe_memory(device: torch.device) -> str:
-    """One line on the memory of ``device``, for error messages."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        held = torch.cuda.memory_allocated(device)
-        return (f"{torch.cuda.get_device_name(device)}: {free / _GIB:.2f} GiB free of {total / _GIB:.2f} GiB, "
-                f"{held / _GIB:.2f} GiB allocated by this process")
-    available, total = host_memory()
-    return f"host memory: {available / _GIB:.2f} GiB available of {total / _GIB:.2f} GiB"
-
-
-# ----- meters -------------------------------------------------------------------------------------
-class MemoryMeter(Protocol):
-    """What a capacity fit reads. Tests inject fakes; :class:`CudaMeter` is the real one."""
-
-    def reset_peak(self) -> None:
-        """Start a measurement: the high-water mark drops to the bytes in use now."""
-
-    def peak_bytes(self) -> int:
-        """The most bytes in use at once since :meth:`reset_peak`."""
-
-    def free_bytes(self) -> int:
-        """Bytes the device could still give this process."""
-
-
-class CudaMeter:
-    """Peak and free memory of one CUDA device, as torch's caching allocator sees it."""
-
-    def __init__(self, device: torch.device | str):
-        self.device = torch.device(device)
-
-    def reset_peak(self) -> None:
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-
-    def peak_bytes(self) -> int:
-        torch.cuda.synchronize(self.device)
-        return int(torch.cuda.max_memory_allocated(self.device))
-
-    def free_bytes(self) -> int:
-        # Cached blocks are ours to reuse, but mem_get_info counts them as used.
-        gc.collect()
-        torch.cuda.empty_cache()
-        return int(torch.cuda.mem_get_info(self.device)[0])
-
 
 # ----- the fit ------------------------------------------------------------------------------------
 class CapacityFitError(ValueError):
@@ -215,7 +122,7 @@ def fit_capacity(measure: Callable[[int], int], free_bytes: int | Callable[[], i
     common = dict(free_bytes=free, fraction=fraction, source="measured", points=tuple(points))
     if not points:
         raise CapacityFitError(f"not even {ks[0]} member(s) fit: the measurement ran out of memory "
-                               f"({free / _GIB:.2f} GiB free)")
+                               f"({free / GIB:.2f} GiB free)")
     if len(points) < 2:
         reason = (f"K={ran_out_at} ran out of memory while measuring" if ran_out_at is not None
                   else f"only K={points[0][0]} measured (cap {cap})")
@@ -228,7 +135,7 @@ def fit_capacity(measure: Callable[[int], int], free_bytes: int | Callable[[], i
     budget = fraction * free
     # + 1e-9: exact line data fits to 39.99999999 for 40; a billionth of a member is rounding, not memory.
     k = math.floor((budget - a) / b + 1e-9)
-    reason = f"largest K with a + b*K <= {fraction:g} x free ({budget / _GIB:.2f} GiB)"
+    reason = f"largest K with a + b*K <= {fraction:g} x free ({budget / GIB:.2f} GiB)"
     if ran_out_at is not None and k >= ran_out_at:
         k, reason = ran_out_at - 1, f"K={ran_out_at} ran out of memory while measuring"
     if cap is not None and k > cap:
@@ -259,8 +166,6 @@ def measure_peak(task: Task, config: dict, k: int, device: torch.device | str, m
     Raises ``torch.OutOfMemoryError`` if the bucket had to split its members
     into smaller groups: its peak is then not the peak of ``k`` members.
     """
-    from .bucket import Bucket  # bucket imports this module
-
     measuring = _measuring_task(task, steps)
     meter.reset_peak()
     base = meter.peak_bytes()

@@ -18,10 +18,10 @@ import ray.cloudpickle as cloudpickle
 
 from chorus_tune import reference
 from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune import state_io
-from chorus_tune.tune.bucket_actor import ChorusBucket, MemberError
-from chorus_tune.tune.members import Plan
-from chorus_tune.tune.options import BucketOptions, Join
+from chorus_tune.tune.execution.bucket_actor import ChorusBucket, MemberError
+from chorus_tune.tune.execution.members import Plan
+from chorus_tune.tune.execution.options import BucketOptions, Join
+from chorus_tune.tune.trial import state_io
 
 from tune_support import digits_task
 
@@ -303,7 +303,7 @@ STATUS = re.compile(r"test-bucket: iteration (\d+), live (\d+)/(\d+), trained (\
 
 
 def test_each_iteration_writes_one_status_line_saying_what_its_results_say(caplog):
-    caplog.set_level(logging.INFO, logger="chorus_tune.tune.bucket_actor")
+    caplog.set_level(logging.INFO, logger="chorus_tune.tune.execution.bucket_actor")
 
     async def scenario():
         bucket = make_bucket(3)
@@ -316,7 +316,7 @@ def test_each_iteration_writes_one_status_line_saying_what_its_results_say(caplo
 
 
 def test_a_status_line_counts_every_trained_member_s_batches_the_last_iteration_included(caplog):
-    caplog.set_level(logging.INFO, logger="chorus_tune.tune.bucket_actor")
+    caplog.set_level(logging.INFO, logger="chorus_tune.tune.execution.bucket_actor")
 
     async def scenario():
         bucket = make_bucket(2)
@@ -335,7 +335,7 @@ def test_a_status_line_counts_every_trained_member_s_batches_the_last_iteration_
 
 
 def test_a_member_that_leaves_with_unread_results_is_logged_as_wasted(caplog):
-    caplog.set_level(logging.INFO, logger="chorus_tune.tune.bucket_actor")
+    caplog.set_level(logging.INFO, logger="chorus_tune.tune.execution.bucket_actor")
 
     async def scenario():
         bucket = make_bucket(1)

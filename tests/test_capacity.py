@@ -11,7 +11,8 @@ import torch
 import chorus_tune as ct
 from chorus_tune import capacity
 from chorus_tune.bucket import Bucket
-from chorus_tune.capacity import CapacityFitError, CudaMeter, auto_capacity, fit_capacity
+from chorus_tune.capacity import CapacityFitError, auto_capacity, fit_capacity
+from chorus_tune.memory import CudaMeter
 
 from models import digits, mlp
 

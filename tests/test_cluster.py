@@ -14,9 +14,9 @@ import ray.cloudpickle
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chorus_tune.tune import bucket_stats
-from chorus_tune.tune.bucket_actor import BucketActor
-from chorus_tune.tune.options import BucketOptions
-from chorus_tune.tune.pool import NAMESPACE, get_pool, pool_name
+from chorus_tune.tune.execution.bucket_actor import BucketActor
+from chorus_tune.tune.execution.options import BucketOptions
+from chorus_tune.tune.execution.pool import NAMESPACE, get_pool, pool_name
 
 from cluster_support import (
     GPUS_PER_WORKER,

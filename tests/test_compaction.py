@@ -1,7 +1,7 @@
-"""The compaction rule (chorus_tune.tune.grouping) and the purity of the policy modules, no Ray."""
+"""The compaction rule (chorus_tune.tune.execution.grouping) and the purity of the policy modules, no Ray."""
 import pytest
 
-from chorus_tune.tune.grouping import should_compact
+from chorus_tune.tune.execution.grouping import should_compact
 
 
 @pytest.mark.parametrize(
@@ -25,7 +25,7 @@ def test_pure_policy_modules_do_not_import_ray():
     import subprocess
     import sys
 
-    code = ("import sys, chorus_tune.tune.grouping, chorus_tune.tune.halving, chorus_tune.tune.members, "
-            "chorus_tune.tune.placement; "
+    code = ("import sys, chorus_tune.tune.execution.grouping, chorus_tune.tune.schedulers.halving, "
+            "chorus_tune.tune.execution.members, chorus_tune.tune.execution.placement; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

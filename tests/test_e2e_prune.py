@@ -28,8 +28,8 @@ TRIALS, BUCKET, MAX_BUCKETS, MAX_T, RF, CPUS = 32, 8, 2, 16, 4, 2
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory):
     from chorus_tune.tune import ChorusTrainable, bucket_stats
-    from chorus_tune.tune.schedulers import ChorusASHA
-    from chorus_tune.tune.search import ChorusSearch
+    from chorus_tune.tune.schedulers.asha import ChorusASHA
+    from chorus_tune.tune.search.search import ChorusSearch
 
     from tune_support import digits_task
 

@@ -10,8 +10,8 @@ import ray.cloudpickle
 
 from chorus_tune import reference
 from chorus_tune.tune import ChorusTrainable
-from chorus_tune.tune.pool import NAMESPACE
-from chorus_tune.tune.waits import Evicted
+from chorus_tune.tune.execution.pool import NAMESPACE
+from chorus_tune.tune.execution.waits import Evicted
 
 from tune_support import digits_task
 

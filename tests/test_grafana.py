@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from chorus_tune.tune import grafana
-from chorus_tune.tune import metrics as m
+from chorus_tune.tune.observe import grafana
+from chorus_tune.tune.observe import metrics as m
 
 
 def test_the_shipped_json_is_the_dashboard_built_from_the_metric_names():

@@ -22,7 +22,7 @@ import chorus_tune as ct
 import chorus_tune.bucket as bucket_module
 from chorus_tune import reference
 from chorus_tune.bucket import MemberOutOfMemory
-from chorus_tune.capacity import is_out_of_memory
+from chorus_tune.memory import is_out_of_memory
 from chorus_tune.route import RouteReason
 from chorus_tune.stack import MemberStack
 

@@ -22,6 +22,6 @@ def test_core_modules_never_import_ray():
 
 def test_a_trial_actor_importing_the_trainable_does_not_load_torch():
     # Trial actors hold no tensors; torch would cost each of them ~2 s and ~150 MB.
-    code = ("import sys, chorus_tune.tune.trainable; "
+    code = ("import sys, chorus_tune.tune.trial.trainable; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

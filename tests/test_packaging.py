@@ -60,7 +60,7 @@ INSTALLED_CHECK = textwrap.dedent("""
     from torch import nn
     from chorus_tune import ChorusASHA, ChorusSearch, ChorusTrainable, Task  # noqa: F401
     from chorus_tune.examples_data import digits_split
-    import chorus_tune.tune.trainable as trainable_module
+    import chorus_tune.tune.trial.trainable as trainable_module
     assert trainable_module.__file__.startswith(site), trainable_module.__file__
 
     (x, y), (xv, yv) = digits_split()
@@ -100,7 +100,7 @@ def test_wheel_installs_and_runs_the_quickstart_without_scikit_learn(tmp_path):
     (wheel,) = dist.glob("chorus_tune-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert "chorus_tune/data_files/digits.npz" in names
-    assert {"chorus_tune/examples_data.py", "chorus_tune/tune/trainable.py"} <= names
+    assert {"chorus_tune/examples_data.py", "chorus_tune/tune/trial/trainable.py"} <= names
     assert not any(n.startswith("tests/") for n in names)
 
     subprocess.run([sys.executable, "-m", "pip", "install", *OFFLINE_PIP, "--target", str(site), str(wheel)],

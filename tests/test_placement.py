@@ -1,7 +1,7 @@
 """Which bucket a member goes to (Ray-free: the pool actor is an adapter over Placement)."""
 from __future__ import annotations
 
-from chorus_tune.tune.placement import Placement
+from chorus_tune.tune.execution.placement import Placement
 
 
 def test_a_bucket_fills_to_capacity_before_another_of_its_key_opens():

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from chorus_tune.tune.options import BucketOptions, RungSchedule, derived_seed, member_seed
-from chorus_tune.tune.resources import (
+from chorus_tune.tune.execution.options import BucketOptions, RungSchedule, derived_seed, member_seed
+from chorus_tune.tune.execution.resources import (
     bucket_actor_options,
     bucket_budget,
     default_bucket_resources,

@@ -57,7 +57,7 @@ def test_a_member_that_diverges_never_demotes_its_bucket_mates():
     wild = bucket.add(dict(lr=1e3, seed=2))
     first = bucket.run_iteration()
     with torch.no_grad():
-        for name, weights in bucket.stack.params.items():
+        for weights in bucket.stack.params.values():
             weights[wild].fill_(1e30)
     late = dict(lr=0.01, seed=5)
     healthy[bucket.add(late)] = late
@@ -88,7 +88,7 @@ def test_the_probe_gives_each_member_its_own_batch_when_training_does():
 
 def test_the_tune_options_accept_exactly_the_cores_routes():
     from chorus_tune.route import ROUTES
-    from chorus_tune.tune.options import BucketOptions
+    from chorus_tune.tune.execution.options import BucketOptions
 
     for route in ROUTES:
         assert BucketOptions(route=route).route == route

@@ -5,8 +5,8 @@ import random
 import pytest
 
 from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune import run_plan
-from chorus_tune.tune.schedulers import ChorusASHA
+from chorus_tune.tune.schedulers.asha import ChorusASHA
+from chorus_tune.tune.search import run_plan
 
 
 class _Trial:
@@ -139,7 +139,7 @@ def test_a_stopper_below_max_t_is_the_buckets_budget():
 
 class _ChorusTrial(_Trial):
     def get_trainable_cls(self):
-        from chorus_tune.tune.trainable import ChorusTrainable
+        from chorus_tune.tune.trial.trainable import ChorusTrainable
 
         return ChorusTrainable
 
@@ -153,7 +153,7 @@ def test_without_a_cohort_seating_search_it_warns_once_what_is_lost(caplog):
     run_plan.clear()
     sched = _no_rungs_sched()
     sched.set_search_properties(None, None)
-    with caplog.at_level("WARNING", logger="chorus_tune.tune.schedulers"):
+    with caplog.at_level("WARNING", logger="chorus_tune.tune.schedulers.asha"):
         for t in ("a", "b", "c"):
             sched.on_trial_add(None, _ChorusTrial(t))
     warnings = [r for r in caplog.records if "ChorusSearch" in r.getMessage()]
@@ -166,7 +166,7 @@ def test_with_chorus_search_seating_cohorts_it_does_not_warn(caplog):
     run_plan.search_seats_cohorts()  # what ChorusSearch.set_search_properties says first
     sched = _no_rungs_sched()
     sched.set_search_properties(None, None)
-    with caplog.at_level("WARNING", logger="chorus_tune.tune.schedulers"):
+    with caplog.at_level("WARNING", logger="chorus_tune.tune.schedulers.asha"):
         sched.on_trial_add(None, _ChorusTrial("a"))
     assert not [r for r in caplog.records if "ChorusSearch" in r.getMessage()]
 
@@ -175,6 +175,6 @@ def test_on_a_plain_trainable_it_does_not_warn(caplog):
     run_plan.clear()
     sched = _no_rungs_sched()
     sched.set_search_properties(None, None)
-    with caplog.at_level("WARNING", logger="chorus_tune.tune.schedulers"):
+    with caplog.at_level("WARNING", logger="chorus_tune.tune.schedulers.asha"):
         sched.on_trial_add(None, _Trial("a"))
     assert not caplog.records

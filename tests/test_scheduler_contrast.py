@@ -9,9 +9,9 @@ import pytest
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.schedulers.async_hyperband import _Bracket
 
-from chorus_tune.tune.halving import rung_milestones, survivors_count
-from chorus_tune.tune.members import MemberBook, Plan
-from chorus_tune.tune.schedulers import ChorusASHA
+from chorus_tune.tune.execution.members import MemberBook, Plan
+from chorus_tune.tune.schedulers.asha import ChorusASHA
+from chorus_tune.tune.schedulers.halving import rung_milestones, survivors_count
 
 
 class _Trial:

@@ -9,7 +9,7 @@ from ray import tune
 from ray.tune.schedulers import ASHAScheduler
 
 from chorus_tune import reference
-from chorus_tune.tune.schedulers import ChorusASHA
+from chorus_tune.tune.schedulers.asha import ChorusASHA
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from prune_support import Recorder, cohorts_at, reference_metric, replay  # noqa: E402

@@ -7,7 +7,7 @@ from ray.tune.experiment import Experiment
 from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.basic_variant import BasicVariantGenerator
 
-from chorus_tune.tune.search import ChorusSearch
+from chorus_tune.tune.search.search import ChorusSearch
 
 
 class Recorder(Searcher):
@@ -170,7 +170,7 @@ def test_state_leaves_the_trainable_and_inner_searcher_out():
 
 
 def test_with_a_random_state_member_seeds_follow_the_draw_order_not_the_random_ids():
-    from chorus_tune.tune.options import member_seed
+    from chorus_tune.tune.execution.options import member_seed
 
     first, second = ChorusSearch(random_state=3), ChorusSearch(random_state=3)
     other = ChorusSearch(random_state=4)

@@ -9,7 +9,7 @@ from ray import tune
 from ray.tune import Callback
 from ray.tune.schedulers import ASHAScheduler
 
-from chorus_tune.tune.search import ChorusSearch
+from chorus_tune.tune.search.search import ChorusSearch
 
 # Workers cannot import this test module: ship its functions by value.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -119,7 +119,7 @@ def test_tuner_restore_reseats_members_and_every_trial_follows_its_reference(tmp
 
 
 def _seat_one(pool, trainable, member, lr):
-    from chorus_tune.tune.members import Plan
+    from chorus_tune.tune.execution.members import Plan
 
     args = ([(member, {"lr": lr}, 7)], trainable._task_id, trainable._task_blob, trainable.bucket_options(), Plan())
     return ray.get(pool.seat.remote(*args))[member]
@@ -130,8 +130,8 @@ def test_seating_again_keeps_a_member_a_trial_already_reads():
     # restarted trial may already read one of them by then. The re-seat must
     # not pull that member from under it.
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.options import Join
-    from chorus_tune.tune.pool import get_pool
+    from chorus_tune.tune.execution.options import Join
+    from chorus_tune.tune.execution.pool import get_pool
 
     from tune_support import digits_task
 
@@ -155,8 +155,8 @@ def test_seating_again_keeps_a_member_a_trial_already_reads():
 
 def test_a_member_that_left_is_seated_again_afresh():
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.options import Join
-    from chorus_tune.tune.pool import get_pool
+    from chorus_tune.tune.execution.options import Join
+    from chorus_tune.tune.execution.pool import get_pool
 
     from tune_support import digits_task
 
@@ -182,7 +182,7 @@ def test_a_seated_member_whose_trial_actor_dies_before_reading_is_reaped():
     import time
 
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.pool import get_pool
+    from chorus_tune.tune.execution.pool import get_pool
 
     from tune_support import digits_task
 

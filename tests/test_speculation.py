@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from test_members import book_with, run, run_until_idle
 
-from chorus_tune.tune.members import MemberBook, Phase, Plan, StopRecord, sum_counts
-from chorus_tune.tune.options import BucketOptions
-from chorus_tune.tune.run_plan import stop_terms
+from chorus_tune.tune.execution.members import MemberBook, Phase, Plan, StopRecord, sum_counts
+from chorus_tune.tune.execution.options import BucketOptions
+from chorus_tune.tune.search.run_plan import stop_terms
 
 
 def read_all(book: MemberBook, member: str) -> int:

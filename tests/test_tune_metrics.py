@@ -11,7 +11,7 @@ from ray import tune
 
 from chorus_tune.tune import ChorusSearch, ChorusTrainable
 from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune.schedulers import ChorusASHA
+from chorus_tune.tune.schedulers.asha import ChorusASHA
 
 from prune_support import Recorder, reference_metric, replay
 from tune_support import digits_task, run_config

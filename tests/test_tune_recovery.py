@@ -16,7 +16,7 @@ from ray.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 
 from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
-from chorus_tune.tune.pool import NAMESPACE, pool_name
+from chorus_tune.tune.execution.pool import NAMESPACE, pool_name
 
 from tune_support import by_iteration, digits_task, history, run_config, start_ray
 

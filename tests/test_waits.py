@@ -1,10 +1,10 @@
-"""Every wait ends (docs/design.md "Faults"): the Ray-free rules of tune/waits.py and the placement queue."""
+"""Every wait ends (docs/design.md "Faults"): the Ray-free rules of tune/execution/waits.py and the placement queue."""
 from __future__ import annotations
 
 import pytest
 
-from chorus_tune.tune.placement import Placement
-from chorus_tune.tune.waits import Stall, StalledWait, fits_a_node, idle_members
+from chorus_tune.tune.execution.placement import Placement
+from chorus_tune.tune.execution.waits import Stall, StalledWait, fits_a_node, idle_members
 
 
 class Clock:

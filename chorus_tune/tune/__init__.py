@@ -11,14 +11,14 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "ChorusTrainable": ".trainable",
-    "BucketLost": ".trainable",
-    "load_model": ".checkpoint",
-    "retire_trial": ".pool",
-    "bucket_stats": ".pool",
-    "free_slots": ".pool",
-    "ChorusSearch": ".search",
-    "ChorusASHA": ".schedulers",
+    "ChorusTrainable": ".trial.trainable",
+    "BucketLost": ".trial.trainable",
+    "load_model": ".trial.checkpoint",
+    "retire_trial": ".execution.pool",
+    "bucket_stats": ".execution.pool",
+    "free_slots": ".execution.pool",
+    "ChorusSearch": ".search.search",
+    "ChorusASHA": ".schedulers.asha",
 }
 
 __all__ = list(_EXPORTS)

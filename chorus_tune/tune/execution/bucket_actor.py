@@ -1,7 +1,7 @@
 """The bucket actor: runs the sweep for its members; trials read their results.
 
 A thin adapter over two Ray-free pieces: the core :class:`chorus_tune.Bucket`
-(the fused math) and :class:`~chorus_tune.tune.members.MemberBook` (who trains
+(the fused math) and :class:`~chorus_tune.tune.execution.members.MemberBook` (who trains
 next, how far ahead, what each trial reads). One loop trains whoever the book
 allows, as fast as the device goes; every result waits in its member's queue
 with the member's state of that iteration, and :meth:`ChorusBucket.next_result`
@@ -26,11 +26,11 @@ import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
-from . import result_keys as rk
-from . import state_io
-from .actor_log import log_to_actor_stdout
+from .. import result_keys as rk
+from ..observe.actor_log import log_to_actor_stdout
+from ..observe.metrics import BucketMetrics
+from ..trial import state_io
 from .members import MemberBook, Phase, Plan, StopRecord
-from .metrics import BucketMetrics
 from .options import BucketOptions, Join
 from .resources import bucket_threads, pick_device
 from .waits import Evicted, idle_members

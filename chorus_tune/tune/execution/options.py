@@ -26,7 +26,7 @@ class BucketOptions:
     default, 16 (capped), with no measurement. ``memory_meter``: a callable
     ``device -> MemoryMeter`` used instead of CUDA's allocator statistics (a
     test's fake device, or a meter of your own). ``resources_per_bucket``: see
-    :mod:`chorus_tune.tune.resources` (``None``: one GPU where there are GPUs,
+    :mod:`chorus_tune.tune.execution.resources` (``None``: one GPU where there are GPUs,
     else one CPU). ``route``: ``"auto" | "vmap" | "compiled" | "eager"``.
 
     How far members train ahead of their trials (docs/design.md D4):
@@ -34,7 +34,7 @@ class BucketOptions:
     ASHA, HyperBand, PBT, stoppers), members train on to the run's
     ``stop={"training_iteration": n}`` without waiting for their trials, except
     past the iterations where the bucket has seen Tune stop trials early
-    (:class:`chorus_tune.tune.members.StopRecord`); ``False``: at most
+    (:class:`chorus_tune.tune.execution.members.StopRecord`); ``False``: at most
     ``run_ahead`` beyond the ask everywhere. ``run_ahead``: iterations a member
     may compute beyond what its trial has asked for where nothing else bounds
     it (no ``speculate``, or no cap known); ``0`` is strict lockstep.

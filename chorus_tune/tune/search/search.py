@@ -1,7 +1,7 @@
 """ChorusSearch: draws trials ahead of Tune and seats them in buckets at once (docs/design.md D10).
 
 Grouping by structure and refilling freed slots live in the pool
-(:mod:`chorus_tune.tune.placement`, no Ray); this module is the Tune plumbing:
+(:mod:`chorus_tune.tune.execution.placement`, no Ray); this module is the Tune plumbing:
 drawing ahead, seating, binding trials to members, id maps, save/restore.
 """
 from __future__ import annotations
@@ -21,8 +21,8 @@ import ray.cloudpickle as cloudpickle
 from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.variant_generator import generate_variants
 
+from ..execution.resources import bucket_budget, bucket_resources
 from . import run_plan
-from .resources import bucket_budget, bucket_resources
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +209,7 @@ class ChorusSearch(ConcurrencyLimiter):
         run_plan.clear()  # ChorusASHA, if it runs, announces its rungs next
         if ray.is_initialized():
             self._size_for_cluster()
-            from .pool import get_pool
+            from ..execution.pool import get_pool
 
             # Starts now (a second or two) while Tune sets up the run; not waited
             # for: the pool takes its calls in order, new_run before any seat.
@@ -337,8 +337,8 @@ class ChorusSearch(ConcurrencyLimiter):
     def _seat(self, drawn: List[Tuple[str, Dict]]) -> None:
         if not self.seating or not drawn:
             return
-        from .options import member_seed
-        from .pool import NEED_TASK, call_pool, get_pool
+        from ..execution.options import member_seed
+        from ..execution.pool import NEED_TASK, call_pool, get_pool
 
         seats = []
         for item_id, config in drawn:
@@ -374,9 +374,9 @@ class ChorusSearch(ConcurrencyLimiter):
         member is seated as any other (this search's seed), but placed only
         with the members seated next, so it trains, and meets its rungs, with
         them."""
-        from .options import member_seed
-        from .pool import call_pool
-        from .trainable import task_classes_exist
+        from ..execution.options import member_seed
+        from ..execution.pool import call_pool
+        from ..trial.trainable import task_classes_exist
 
         if not task_classes_exist():
             # No ChorusTrainable in this process: the run's trainable is a plain
@@ -403,7 +403,7 @@ class ChorusSearch(ConcurrencyLimiter):
     def _learn_from_scout(self) -> bool:
         """Whether the scout's task is known now (asking the pool); once it is,
         seat the scout's member with the first cohort."""
-        from .pool import call_pool
+        from ..execution.pool import call_pool
 
         learnt = call_pool("scout_task", self._scout)
         if learnt is None:
@@ -441,7 +441,7 @@ class ChorusSearch(ConcurrencyLimiter):
         candidates = self.unbound
         chosen = None
         if self.seating:
-            from .pool import call_pool
+            from ..execution.pool import call_pool
 
             chosen = call_pool("bind", trial_id, candidates)
         if chosen is None:
@@ -456,7 +456,7 @@ class ChorusSearch(ConcurrencyLimiter):
         self._seated_here = True
         if not self.seating:
             return
-        from .pool import get_pool
+        from ..execution.pool import get_pool
 
         # Trials Tune created but that have not finished are re-seated with
         # their seeds (a checkpoint one resumes from replaces the seated state).

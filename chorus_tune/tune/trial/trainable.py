@@ -22,11 +22,11 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.tune import Trainable
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
-from .actor_log import log_to_actor_stdout
-from .options import BucketOptions, Join, member_seed
-from .pool import NEED_TASK, Reservation, call_pool, get_pool, pool_lost, task_id
-from .resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
-from .waits import Evicted, Stall, StalledWait
+from ..execution.options import BucketOptions, Join, member_seed
+from ..execution.pool import NEED_TASK, Reservation, call_pool, get_pool, pool_lost, task_id
+from ..execution.resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
+from ..execution.waits import Evicted, Stall, StalledWait
+from ..observe.actor_log import log_to_actor_stdout
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class ChorusTrainable(Trainable):
     def default_resource_request(cls, config: dict) -> PlacementGroupFactory:
         # A token CPU: Tune rejects an all-zero request, and the work is done
         # by the buckets. Sized so Tune runs about as many trials as there are
-        # slots (see chorus_tune.tune.resources).
+        # slots (see chorus_tune.tune.execution.resources).
         token = FALLBACK_TOKEN_CPU
         if ray.is_initialized():
             cluster = ray.cluster_resources()
@@ -218,7 +218,7 @@ class ChorusTrainable(Trainable):
                                    f"for member {self._member}'s state from bucket {self._bucket_name}") from exc
         return {
             "chorus_format": CHECKPOINT_FORMAT,
-            "member": state,  # bytes (chorus_tune.tune.state_io), or None before the first result
+            "member": state,  # bytes (chorus_tune.tune.trial.state_io), or None before the first result
             "factory": self._factory_blob,  # what load_model needs to rebuild the user's module
             "config": self._clean(self.config),
             "seed": self._seed,

@@ -1,6 +1,6 @@
 """``ray.util.metrics`` of a bucket (docs/design.md D12): exported on Ray's metrics
 endpoint as ``ray_chorus_*`` (counters as ``ray_chorus_*_total``), tagged with
-the bucket's name and model class. :mod:`chorus_tune.tune.grafana` draws them."""
+the bucket's name and model class. :mod:`chorus_tune.tune.observe.grafana` draws them."""
 from __future__ import annotations
 
 from ray.util.metrics import Counter, Gauge

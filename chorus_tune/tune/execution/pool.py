@@ -15,7 +15,7 @@ Buckets are created by the pool, with ``scheduling_strategy="DEFAULT"``: Tune
 captures child actors into the trial's placement group, and a bucket created
 there would die with that trial. On a cluster, Ray puts each bucket where its
 resources are (a GPU on any node); the pool itself lives on the head node
-(:mod:`chorus_tune.tune.cluster`), so losing a worker node never loses it.
+(:mod:`chorus_tune.tune.execution.cluster`), so losing a worker node never loses it.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
-from .actor_log import log_to_actor_stdout
+from ..observe.actor_log import log_to_actor_stdout
 from .cluster import node_cpus, pool_scheduling_strategy
 from .grouping import GroupKey, should_compact
 from .members import Plan, sum_counts

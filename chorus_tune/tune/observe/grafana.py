@@ -11,8 +11,8 @@ Ray writes Grafana's provisioning for its own dashboards into its session
 (``/tmp/ray/session_latest/metrics/grafana``): a Grafana started with that
 ``grafana.ini`` loads every JSON in its ``dashboards`` folder. ::
 
-    python -m chorus_tune.tune.grafana --install   # copy ours beside Ray's, after Ray started
-    python -m chorus_tune.tune.grafana --out FILE  # or write it anywhere, to import by hand
+    python -m chorus_tune.tune.observe.grafana --install   # copy ours beside Ray's, after Ray started
+    python -m chorus_tune.tune.observe.grafana --out FILE  # or write it anywhere, to import by hand
 """
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def install(ray_temp_dir: str = "/tmp/ray") -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m chorus_tune.tune.grafana``: write or install the dashboard."""
+    """``python -m chorus_tune.tune.observe.grafana``: write or install the dashboard."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="write the dashboard JSON to this file")

@@ -13,7 +13,7 @@ How far a member may run ahead of its trial (its *limit*, an iteration number):
   and ``max_t``, or an iteration budget the user gave): up to the budget. At a
   rung, the members that reach it in the same fused iteration form a cohort
   and are halved there, as synchronous successive halving would (the rule of
-  :mod:`chorus_tune.tune.halving`); the stopped go no further, the survivors
+  :mod:`chorus_tune.tune.schedulers.halving`); the stopped go no further, the survivors
   go on at once. A member that reaches a rung alone is HELD there until its
   trial asks past it (Tune's scheduler continued it).
 * **Decisions only Tune makes** (Tune's default FIFO scheduler, stock ASHA,
@@ -49,8 +49,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Iterable
 
-from . import result_keys as rk
-from .halving import CONTINUE, STOP, select_survivors
+from .. import result_keys as rk
+from ..schedulers.halving import CONTINUE, STOP, select_survivors
 
 
 class Phase(str, Enum):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from .options import RungSchedule
+from ..execution.options import RungSchedule
 
 _announced: RungSchedule | None = None
 _seating_search = False

@@ -1,0 +1,1 @@
+"""Deciding trials: ``ChorusASHA`` (the Tune adapter) over the Ray-free rung arithmetic of cohort halving."""
