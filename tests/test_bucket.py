@@ -9,6 +9,7 @@ from torch import nn
 
 import chorus_tune as ct
 from chorus_tune import reference
+from chorus_tune import route as route_module
 from chorus_tune.route import RouteReason
 
 from models import MaybeResidual, PairDataset, SmallCNN, cnn, digits, mlp, mlp_task, params_close, regression_task
@@ -161,16 +162,24 @@ def test_per_instance_behaviour_is_caught_and_runs_eager_correctly():
         assert_follows_reference(task, bucket, slot, config, histories[slot])
 
 
-def test_newcomer_that_breaks_vmap_is_caught_after_vmap_was_chosen():
+def test_newcomer_that_breaks_vmap_is_caught_after_vmap_was_chosen(monkeypatch):
+    # The probe keeps the faster route; timed for real, eager may win on a
+    # loaded machine, and then no newcomer is ever probed. vmap is made the
+    # faster here, so the bucket is on vmap when the newcomer joins.
+    monkeypatch.setattr(route_module, "time_routes", lambda step, routes, sync: {
+        r: (0.5 if r == "vmap" else 1.0) for r in routes})
     task = ct.Task(lambda c: MaybeResidual(c["residual"]), digits(), batch_size=32, iteration_steps=5)
     bucket = ct.Bucket(task, 3)
     bucket.add(dict(residual=True, lr=0.05, seed=1))
     bucket.add(dict(residual=True, lr=0.05, seed=2))
-    bucket.run_iteration()
+    first = bucket.run_iteration()
+    assert bucket.route == "vmap" and bucket.route_reason is RouteReason.FASTER
+    assert {m["route"] for m in first.values()} == {"vmap"}
     late = dict(residual=False, lr=0.05, seed=3)
     slot = bucket.add(late)
     history = [bucket.run_iteration()[slot]]
-    assert bucket.route == "eager"
+    assert bucket.route == "eager" and bucket.route_reason is RouteReason.DISAGREES
+    assert history[0]["route"] == "eager"
     assert_follows_reference(task, bucket, slot, late, history)
 
 

@@ -113,17 +113,23 @@ def test_a_save_after_result_t_holds_the_member_at_t_though_the_bucket_is_ahead(
 
 
 def test_run_ahead_bounds_how_far_a_member_trains_past_what_its_trial_read():
+    def parked(bucket):
+        """What the training loop sees once it stopped: no iteration running (it
+        holds the lock), and nobody it may train, so it waits, with no timeout,
+        for a request or a membership change to wake it."""
+        return not bucket._lock.locked() and bucket.book.next_iteration(0.0, gather=False) == ([], None)
+
     async def scenario():
         bucket = make_bucket(1)
         await seat(bucket, "a", Plan(run_ahead=2))
-        await until(lambda: bucket.book.get("a").produced == 2)
-        await asyncio.sleep(0.2)
-        before = bucket.book.get("a").produced
+        await until(lambda: bucket.book.get("a").produced >= 2)
+        seen = [(bucket.book.get("a").produced, parked(bucket))]  # nothing read: 2 ahead, no more
         await bucket.next_result("a")
-        await until(lambda: bucket.book.get("a").produced == 3)
-        return before
+        await until(lambda: bucket.book.get("a").produced >= 3)
+        seen.append((bucket.book.get("a").produced, parked(bucket)))  # 1 read: 3, no more
+        return seen
 
-    assert asyncio.run(scenario()) == 2
+    assert asyncio.run(scenario()) == [(2, True), (3, True)]
 
 
 def test_a_straggler_is_masked_and_its_bucket_mates_go_on():

@@ -10,6 +10,7 @@ import time
 import pytest
 import ray
 import ray.cloudpickle
+import torch
 from ray import tune
 from ray.tune import Callback
 from ray.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
@@ -17,6 +18,7 @@ from ray.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
 from chorus_tune.tune.execution.pool import NAMESPACE, pool_name
+from chorus_tune.tune.trial.checkpoint import member_state
 
 from tune_support import by_iteration, digits_task, history, run_config, start_ray
 
@@ -95,30 +97,62 @@ class _Results(Callback):
         self.val_loss.setdefault(trial.trial_id, {})[result["training_iteration"]] = result["val_loss"]
 
 
+def _assert_same_member_state(ours: dict, donor: dict) -> None:
+    """Weights, optimizer state (each tensor), counters and data order alike."""
+    assert ours["model"].keys() == donor["model"].keys()
+    for name in ours["model"]:
+        torch.testing.assert_close(ours["model"][name], donor["model"][name], rtol=1e-5, atol=1e-7, msg=name)
+    a, b = ours["optimizer"], donor["optimizer"]
+    assert (a["family"], a["step"], a["has_buffer"]) == (b["family"], b["step"], b["has_buffer"])
+    assert a["tensors"].keys() == b["tensors"].keys()
+    for name in a["tensors"]:
+        assert a["tensors"][name].keys() == b["tensors"][name].keys()
+        for state_name in a["tensors"][name]:
+            torch.testing.assert_close(a["tensors"][name][state_name], b["tensors"][name][state_name],
+                                       rtol=1e-5, atol=1e-7, msg=f"{name} {state_name}")
+    assert (ours["iteration"], ours["step"]) == (donor["iteration"], donor["step"])
+    assert torch.equal(ours["data"]["perm"], donor["data"]["perm"]) and ours["data"]["pos"] == donor["data"]["pos"]
+    assert torch.equal(ours["data"]["generator"], donor["data"]["generator"])
+
+
 @pytest.mark.parametrize("run_ahead", [0, 2])
 def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead):
     # Top trials have lr 0.5 and mutation keeps lr 0.5: an exploiting trial then
     # holds exactly its donor's state (weights, optimizer, data order) and config,
-    # so from the exploit on it reports exactly what its donor reports; the
-    # exploiting member's results computed ahead are dropped (rewound).
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, run_ahead=run_ahead)
+    # so from the exploit on it trains exactly as its donor does; the exploiting
+    # member's results computed ahead are dropped (rewound). Momentum 0.9: the
+    # donor has optimizer state to clone (with none, weights alone would do).
+    # Synchronous PBT pauses every trial at the perturbation and restores it,
+    # donors too: a restore that lost optimizer state would lose it for donor
+    # and clone alike, so the donors are also held to their uninterrupted reference.
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=4, run_ahead=run_ahead)
     pbt = PopulationBasedTraining(time_attr="training_iteration", perturbation_interval=2,
                                   hyperparam_mutations={"lr": [0.5]}, quantile_fraction=0.5, synch=True)
     seen = _Results()
     tuner = tune.Tuner(
-        trainable, param_space={"lr": tune.grid_search([0.001, 0.002, 0.5, 0.5])},
+        trainable, param_space={"lr": tune.grid_search([0.001, 0.002, 0.5, 0.5]), "momentum": 0.9},
         tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=pbt),
         run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0, stop={"training_iteration": 4},
-                                  callbacks=[seen]))
+                                  callbacks=[seen], checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True)))
     results = tuner.fit()
     assert not results.errors
     final_lr = {r.metrics["trial_id"]: r.config["lr"] for r in results}
     exploited = [t for t, lr in seen.first_lr.items() if lr < 0.5]
     assert len(exploited) == 2 and all(final_lr[t] == 0.5 for t in exploited)  # both took a donor's state and lr
     donors = [t for t in final_lr if t not in exploited]
+    final = {r.metrics["trial_id"]: member_state(r.checkpoint) for r in results}
+    assert all(final[t]["iteration"] == 4 for t in final)
+    for d in donors:  # momentum buffers: state that weights alone do not carry
+        assert final[d]["optimizer"]["has_buffer"]
+        assert all(t.abs().max() > 0 for per in final[d]["optimizer"]["tensors"].values() for t in per.values())
+        expected = _reference_losses(task, {"lr": 0.5, "momentum": 0.9}, final[d]["seed"], 4)
+        assert [seen.val_loss[d][i] for i in (1, 2, 3, 4)] == pytest.approx(expected, rel=1e-5)
     for t in exploited:
         after = [seen.val_loss[t][i] for i in (3, 4)]
-        assert any(after == pytest.approx([seen.val_loss[d][i] for i in (3, 4)], rel=1e-6) for d in donors)
+        donor = [d for d in donors if after == pytest.approx([seen.val_loss[d][i] for i in (3, 4)], rel=1e-6)]
+        assert donor, f"trial {t} follows no donor after the exploit"
+        _assert_same_member_state(final[t], final[donor[0]])
 
 
 def test_killed_trial_actor_is_reaped_and_the_others_finish(tmp_path):
@@ -174,13 +208,21 @@ def test_killed_bucket_fails_its_trials_clearly_and_they_resume_from_checkpoints
             _reference_losses(task, {"lr": r.config["lr"], "seed": 2}, 2, 4)[-1], rel=1e-5)
 
 
+GATE_TIMEOUT_S = 120.0  # only against a hang: the gate opens when the mates finish, or the test fails
+
+
 class _Straggling(ChorusTrainable):
-    """One trial (lr 0.3) takes 1.5 s to hand each result to Tune."""
+    """One trial (lr 0.3) hands Tune no result until the file ``config["gate"]``
+    exists: the test creates it once every other trial completed."""
 
     def step(self):
         result = super().step()
         if self.config["lr"] == 0.3:
-            time.sleep(1.5)
+            deadline = time.monotonic() + GATE_TIMEOUT_S
+            while not os.path.exists(self.config["gate"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the straggler's gate never opened: its bucket-mates never finished")
+                time.sleep(0.05)
         return result
 
 
@@ -190,22 +232,27 @@ def test_a_straggling_trial_never_stalls_its_bucket_mates(tmp_path, run_ahead=2)
     # masking this tests); speculating to the stop dict's cap, nobody waits at all.
     trainable = _Straggling.for_task(task, bucket_size=4, run_ahead=run_ahead, gather_s=0.2, name="Straggling",
                                      speculate=False)
-    finished = {}
+    gate = tmp_path / "gate"
+    mates = {0.05, 0.1, 0.2}
+    completed = []
 
-    class Finish(Callback):
+    class OpenGateWhenMatesComplete(Callback):
         def on_trial_complete(self, iteration, trials, trial, **info):
-            finished[trial.config["lr"]] = time.monotonic()
+            completed.append(trial.config["lr"])
+            if set(completed) >= mates and not gate.exists():
+                gate.touch()
 
     results = tune.Tuner(
-        trainable, param_space={"lr": tune.grid_search([0.05, 0.1, 0.2, 0.3]), "seed": 3},
+        trainable, param_space={"lr": tune.grid_search([0.05, 0.1, 0.2, 0.3]), "seed": 3, "gate": str(gate)},
         tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=4, reuse_actors=True,
                                     search_alg=ChorusSearch(task=trainable, max_concurrent_trials=4)),
-        run_config=run_config(tmp_path, 4, callbacks=[Finish()])).fit()
+        run_config=run_config(tmp_path, 4, callbacks=[OpenGateWhenMatesComplete()])).fit()
+    # The straggler held its first result until its three bucket-mates had
+    # completed all 4 iterations (else its gate times out: an error here).
     assert not results.errors
-    # The others went on without the straggler (masked), and finished first.
-    assert max(finished[lr] for lr in (0.05, 0.1, 0.2)) < finished[0.3]
-    mates = [r for r in results if r.config["lr"] != 0.3]
-    assert any(live < 4 for r in mates for live in r.metrics_dataframe["chorus/live"])
+    assert set(completed[:3]) == mates and completed[3] == 0.3
+    mate_results = [r for r in results if r.config["lr"] != 0.3]
+    assert any(live < 4 for r in mate_results for live in r.metrics_dataframe["chorus/live"])  # it was masked
     for r in results:  # every member, the straggler too, on its own reference trajectory
         assert history(r) == pytest.approx(_reference_losses(task, {"lr": r.config["lr"], "seed": 3}, 3, 4),
                                            rel=1e-5)

@@ -142,9 +142,44 @@ def test_reuse_actors_resets_into_new_members(tmp_path):
         assert history(r) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)
 
 
-def test_retire_trial_is_idempotent_and_safe_for_unknown_trials():
-    retire_trial("never-joined-00000")
-    retire_trial("never-joined-00000")
+class _RetireTwice(tune.Callback):
+    """At the lr=0.3 trial's first result: its bucket's members before
+    ``retire_trial`` of it, after it, after it again, and after
+    ``retire_trial`` of a trial that never joined."""
+
+    def __init__(self):
+        self.member, self.members = None, []
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if trial.config["lr"] != 0.3 or self.member is not None:
+            return
+        self.member, bucket = result[rk.MEMBER], result[rk.BUCKET]
+        self.members.append(bucket_stats()[bucket]["members"])
+        for trial_id in (trial.trial_id, trial.trial_id, "never-joined-00000"):
+            retire_trial(trial_id)
+            self.members.append(bucket_stats()[bucket]["members"])
+
+
+def test_retire_trial_frees_the_slot_once_and_a_repeat_or_an_unknown_trial_changes_nothing(tmp_path):
+    task = digits_task()
+    # run_ahead=0, speculate=False: no member trains to its end before its
+    # trial reads, so the retired one is still in its bucket when retired.
+    trainable = ChorusTrainable.for_task(task, bucket_size=2, run_ahead=0, speculate=False)
+    spy = _RetireTwice()
+    results = tune.Tuner(
+        trainable, param_space={"lr": tune.grid_search([0.1, 0.3]), "seed": 4},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+        run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0, callbacks=[spy],
+                                  stop=lambda trial_id, result: result["training_iteration"]
+                                  >= (1 if result["config"]["lr"] == 0.3 else 2))).fit()
+    assert not results.errors
+    before, retired, again, unknown = spy.members
+    assert spy.member in before
+    assert retired == [m for m in before if m != spy.member]  # its slot freed, the others kept
+    assert again == retired and unknown == retired
+    mate = next(r for r in results if r.config["lr"] == 0.1)  # trains on, on its own trajectory
+    expected, _ = reference.train(task, {"lr": 0.1, "seed": 4}, seed=4, iterations=2)
+    assert history(mate) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)
 
 
 class _CompactionBeforeIteration(tune.Callback):
