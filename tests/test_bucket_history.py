@@ -77,3 +77,9 @@ def test_buckets_are_listed_in_the_order_they_opened():
     history = opened()
     history.opened("b0", "CNN", 2, [], None)
     assert list(history.names()) == ["b1", "b0"] and "b0" in history
+
+
+def test_a_member_that_left_no_bucket_is_noted_nowhere():
+    history = opened()
+    history.note(None, "reaped", "t1")
+    assert history.report("b1", [])["reaped"] == []

@@ -48,8 +48,9 @@ class BucketHistory:
     def node_of(self, name: str) -> str | None:
         return self._entries.get(name, {}).get("node_id")
 
-    def note(self, name: str, reason: str, member: str) -> None:
-        """``member`` left bucket ``name`` for ``reason`` (e.g. ``"reaped"``)."""
+    def note(self, name: str | None, reason: str, member: str) -> None:
+        """``member`` left bucket ``name`` for ``reason`` (e.g. ``"reaped"``);
+        ``None``: it was in no bucket, and nothing is noted."""
         if name in self._entries:
             self._entries[name].setdefault(reason, []).append(member)
 

@@ -345,7 +345,7 @@ class ChorusPool:
         if self.scouts.is_expected(trial_id):
             self._hold_scout(trial_id, task_id_, options)
         member = self.readers.bound_member(trial_id, self._is_seated)  # None once lost with its bucket
-        token = self.readers.start(trial_id, member or trial_id)
+        token = self.readers.start(trial_id, trial_id if member is None else member)
         if member is not None:
             if member in self.failed:
                 raise self.failed[member]
