@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from chorus_tune.tune.execution.placement import Placement
-from chorus_tune.tune.execution.waits import Stall, StalledWait, fits_a_node, idle_members
+from chorus_tune.tune.execution.waits import Stall, StalledWait, asks_to_evict, fits_a_node, idle_members
 
 
 class Clock:
@@ -67,3 +67,17 @@ def test_members_whose_trials_stopped_asking_give_their_slots_up_oldest_first():
     # "c" is waiting for a result now (busy); "d" asked 5 s ago; "e" was never read.
     assert idle_members(asked, ["a", "b", "c", "d", "e"], busy={"c"}, now=100.0, idle_s=30.0) == ["a", "b"]
     assert idle_members(asked, ["a", "b"], busy=set(), now=20.0, idle_s=30.0) == []
+
+
+def test_a_full_bucket_of_the_waiting_members_key_is_asked_to_evict():
+    assert asks_to_evict(free=0, same_key=True, budget_used=False)
+
+
+def test_a_bucket_of_the_waiting_members_key_with_a_free_slot_is_not_asked():
+    assert not asks_to_evict(free=1, same_key=True, budget_used=True)
+
+
+def test_a_bucket_of_another_key_is_asked_only_when_the_budget_is_used_up():
+    assert asks_to_evict(free=0, same_key=False, budget_used=True)
+    assert asks_to_evict(free=3, same_key=False, budget_used=True)
+    assert not asks_to_evict(free=0, same_key=False, budget_used=False)

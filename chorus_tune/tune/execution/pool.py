@@ -31,22 +31,23 @@ import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
 from ..observe.actor_log import log_to_actor_stdout
+from .bucket_history import BucketHistory
 from .cluster import node_cpus, pool_scheduling_strategy
 from .grouping import GroupKey, should_compact
-from .members import Plan, sum_counts
+from .members import Plan
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
+from .readers import Readers
 from .resources import bucket_actor_options, bucket_budget, bucket_resources, shared_threads
+from .run_stops import RunStops
+from .scouts import Scouts
 from .sizing import fit_summary, measure_bucket_size
-from .waits import EVICT_IDLE_S, fits_a_node
+from .waits import EVICT_IDLE_S, asks_to_evict, fits_a_node
 
 logger = logging.getLogger(__name__)
 
 NAMESPACE = "chorus_tune"
 NEED_TASK = "chorus/need-task"
-# A scout's member waits this long for the cohort its search seats next (a
-# fraction of a second, normally) before it is placed alone: no wait is endless.
-SCOUT_WAIT_S = 30.0
 QUEUED = "chorus/queued"
 _JOB_POLL_S = 2.0
 _DRAIN_POLL_S = 0.2
@@ -174,12 +175,10 @@ class ChorusPool:
         # the map only keeps index reads of older code working.
         self.key_info: dict[GroupKey, GroupKey] = {}
         self.clients: dict[str, Any] = {}
-        self.history: dict[str, dict] = {}
+        self.history = BucketHistory()
         self.seats: dict[str, Join] = {}  # seated members: what they are built from
         self.failed: dict[str, BaseException] = {}  # seated members whose model cannot be built
-        self.bound: dict[str, str] = {}  # trial id -> the seated member ChorusSearch gave it
-        self.reading: dict[str, tuple[str, int]] = {}  # trial id -> (member it reads now, reservation token)
-        self._tokens = 0
+        self.readers = Readers()  # trial id -> the member it reads (or the seated one it is bound to)
         self.homes: dict[str, str] = {}  # member -> the bucket holding its records (slot, or results to drain)
         self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
@@ -187,14 +186,10 @@ class ChorusPool:
         self._idle: set[str] = set()  # empty buckets waiting to be drained before they close
         self._unplaced: dict[str, BaseException] = {}  # members whose placement failed: why
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
-        # ChorusSearch without task= (see ChorusSearch._send_scout): trial id ->
-        # the seat its first step turns into; then trial id -> (task id, options)
-        # learnt from it; and the scouts' members held back for their cohort.
-        self._scouts: dict[str, tuple[str, dict, int]] = {}
-        self._scout_tasks: dict[str, tuple[str, BucketOptions]] = {}
-        self._held: dict[str, tuple[GroupKey, Any]] = {}  # member -> (its key, the fallback timer)
-        # Where Tune stopped trials early, per bucket (members.StopRecord): shared across the run.
-        self._stops: dict[str, tuple[dict[int, int], dict[int, int]]] = {}
+        # ChorusSearch without task= (see ChorusSearch._send_scout): its scout
+        # trials, and their members held back for their cohort.
+        self.scouts = Scouts(lambda delay_s, callback: asyncio.get_running_loop().call_later(delay_s, callback))
+        self._stops = RunStops()  # where Tune stopped trials early, per bucket: shared across the run
         # Counts every change of membership, start and loss: with the buckets'
         # iterations, what tells a long wait from a stalled one (wait_status).
         self._events = 0
@@ -247,9 +242,8 @@ class ChorusPool:
             return NEED_TASK
         out, placements = {}, []
         for member, config, seed in seats:
-            if member in self._held:
+            if self.scouts.release(member) is not None:
                 # A scout's member: seated now, first, with the cohort it waited for.
-                self._held.pop(member)[1].cancel()
                 del self.seats[member]
             if member in self.seats or member in self.homes or member in self.failed:
                 # Seated again (ChorusSearch restored in this job): it is kept
@@ -290,16 +284,11 @@ class ChorusPool:
         trials Tune runs read results that exist. Returns the member; for a
         trial that runs already, the candidate it reads, or ``None`` when it
         reads a member of its own."""
-        if trial_id in self.reading:
-            member = self.reading[trial_id][0]
-            return member if member in candidates else None
-        known = [m for m in candidates if m in self.seats or m in self.failed]
-        if not known:
-            return None
-        placed = [m for m in known if m in self.homes]
-        member = (placed or known)[0]
-        self.bound[trial_id] = member
-        return member
+        return self.readers.bind(trial_id, candidates, self._is_seated, self.homes.__contains__)
+
+    def _is_seated(self, member: str) -> bool:
+        # A member whose model cannot be built stays seated: its trial fails with the factory's error.
+        return member in self.seats or member in self.failed
 
     # ----- trials in ------------------------------------------------------------------------------
     # ----- a search that learns its task from its first trial (a scout) --------------------------
@@ -308,29 +297,26 @@ class ChorusPool:
         first step reserves, it teaches the pool its task, and it reads the
         member ``seat`` (``(member, config, seed)``), placed with the cohort
         the search seats next."""
-        self._scouts[trial_id] = seat
+        self.scouts.expect(trial_id, seat)
 
     async def scout_task(self, trial_id: str) -> tuple[str, BucketOptions] | None:
         """``(task id, options)`` the scout reserved with, once it has."""
-        return self._scout_tasks.get(trial_id)
+        return self.scouts.taught(trial_id)
 
     def _hold_scout(self, trial_id: str, task_id_: str, options: BucketOptions) -> str:
-        member, config, seed = self._scouts.pop(trial_id)
-        self._scout_tasks[trial_id] = (task_id_, options)  # learnt, even if this config cannot be built
+        member, config, seed = self.scouts.arrived(trial_id, task_id_, options)
         key = self._key(task_id_, options, config)  # the factory's error, for the scout's trial
         self.seats[member] = Join(config=dict(config), seed=int(seed), plan=options.plan())
-        self.bound[trial_id] = member
-        timer = asyncio.get_running_loop().call_later(
-            SCOUT_WAIT_S, lambda: asyncio.get_running_loop().create_task(self._place_held(member)))
-        self._held[member] = (key, timer)
+        self.readers.bind_to(trial_id, member)
+        self.scouts.hold(member, key, lambda m: asyncio.get_running_loop().create_task(self._place_held(m)))
         return member
 
     async def _place_held(self, member: str) -> None:
-        held = self._held.pop(member, None)
-        if held is None:
-            return
-        logger.warning("pool: scout member %s waited %.0f s for its cohort; placed alone", member, SCOUT_WAIT_S)
-        key, _ = held
+        key = self.scouts.release(member)
+        if key is None:
+            return  # seated with its cohort, or left, before its wait was over
+        logger.warning("pool: scout member %s waited %.0f s for its cohort; placed alone", member,
+                       self.scouts.wait_s)
         options = key.options
         size = await self._bucket_size(key, options, self.seats[member].config)
         placed = self.placement.request(member, key, size)
@@ -351,20 +337,16 @@ class ChorusPool:
         if not self._learn_task(task_id_, task_blob):
             return NEED_TASK
         self.clients[trial_id] = client
-        if trial_id in self.reading:
+        if self.readers.is_reading(trial_id):
             # A trial reserving again is a restart (a new actor, a recovery, a
             # restore in this job): what its member holds is stale for it. It
             # gets a member of its own (restored from its checkpoint, if any).
             await self.trial_left(trial_id)
-        if trial_id in self._scouts:
+        if self.scouts.is_expected(trial_id):
             self._hold_scout(trial_id, task_id_, options)
-        member = self.bound.get(trial_id)
-        if member is not None and member not in self.seats and member not in self.failed:
-            del self.bound[trial_id]  # its seated member was lost with its bucket
-            member = None
-        self._tokens += 1
+        member = self.readers.bound_member(trial_id, self._is_seated)  # None once lost with its bucket
+        token = self.readers.start(trial_id, trial_id if member is None else member)
         if member is not None:
-            self.reading[trial_id] = (member, self._tokens)
             if member in self.failed:
                 raise self.failed[member]
             seat = self.seats[member]
@@ -375,8 +357,7 @@ class ChorusPool:
             self.clients[member] = client
             if name in self.handles and client is not None:
                 self.handles[name].watch.remote(member, client)
-            return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, self._tokens)
-        self.reading[trial_id] = (trial_id, self._tokens)
+            return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, token)
         key = self._key(task_id_, options, config)
         size = await self._bucket_size(key, options, config)
         plan = options.plan(self.plans.get(trial_id))
@@ -384,7 +365,7 @@ class ChorusPool:
         placed = self.placement.request(trial_id, key, size)
         if placed is None:
             logger.info("pool: %s waits for a bucket (all %s in use)", trial_id, self.placement.max_buckets)
-            return Reservation(trial_id, seed, plan, None, None, False, self._tokens)
+            return Reservation(trial_id, seed, plan, None, None, False, token)
         # A new bucket may wait long to start (for a GPU another bucket holds):
         # the trial then waits in await_placement, which says what it waits for
         # and ends (docs/design.md "Faults: every wait ends"), not in here.
@@ -393,7 +374,7 @@ class ChorusPool:
         if trial_id in self._unplaced:
             raise self._unplaced.pop(trial_id)
         name = self.homes.get(trial_id)
-        return Reservation(trial_id, seed, plan, name, self.handles.get(name), False, self._tokens)
+        return Reservation(trial_id, seed, plan, name, self.handles.get(name), False, token)
 
     async def await_placement(self, member: str):
         """``(bucket name, handle)`` of a member waiting for a slot, once it has one
@@ -402,7 +383,7 @@ class ChorusPool:
             raise self._unplaced[member]
         name = self.homes.get(member)
         if name is None:
-            placed = member in self._held or self.placement is not None and (
+            placed = self.scouts.is_held(member) or self.placement is not None and (
                 self.placement.is_waiting(member) or self.placement.bucket_of(member) is not None)
             if not placed:
                 raise RuntimeError(f"member {member} is neither placed nor waiting for a bucket")
@@ -424,7 +405,7 @@ class ChorusPool:
     # ----- what the run's buckets learn of Tune's decisions ----------------------------------------
     async def stops_seen(self, name: str, stopped: dict[int, int], continued: dict[int, int]) -> None:
         """Bucket ``name`` saw Tune stop a trial early: tell the run's other buckets."""
-        self._stops[name] = (dict(stopped), dict(continued))
+        self._stops.seen(name, stopped, continued)
         for other in list(self.handles):
             if other != name:
                 self._send_stops(other)
@@ -437,10 +418,9 @@ class ChorusPool:
             handle.reset_stops.remote()
 
     def _send_stops(self, name: str) -> None:
-        others = [counts for bucket, counts in self._stops.items() if bucket != name]
-        if others and name in self.handles:
-            self.handles[name].stops_elsewhere.remote(sum_counts(c[0] for c in others),
-                                                      sum_counts(c[1] for c in others))
+        counts = self._stops.elsewhere(name)
+        if counts is not None and name in self.handles:
+            self.handles[name].stops_elsewhere.remote(*counts)
 
     async def _realize(self, placed: Placed) -> str:
         """Make a placement real: create the bucket actor if new, and have it
@@ -464,9 +444,7 @@ class ChorusPool:
             self.handles[name] = handle
             self._send_stops(name)  # a bucket opened mid-run knows the decision points already
             self._share_cores()
-            self.history[name] = {"model": model_name, "bucket_size": record.capacity,
-                                  "capacity": record.capacity, "trials": record.ever,
-                                  "closed": False, "reaped": [], "capacity_fit": fit}
+            self.history.opened(name, model_name, record.capacity, record.ever, fit)
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
         member = placed.trial_id
         await self.handles[name].expect.remote(member, self.clients.get(member), self.seats.get(member))
@@ -528,7 +506,7 @@ class ChorusPool:
         and sent to its bucket if it has joined already. (A seated member knew
         its rungs when it was seated.)"""
         self.plans[trial_id] = schedule
-        if trial_id in self.bound or trial_id not in self.homes:
+        if self.readers.is_bound(trial_id) or trial_id not in self.homes:
             return
         name = self.homes[trial_id]
         record = self.placement.buckets.get(name) if self.placement else None
@@ -544,13 +522,10 @@ class ChorusPool:
         leaves, and the trial is bound to nothing. Idempotent. ``token``: the
         reservation's; a late call from an actor that served an earlier run of
         this trial (a restart, a restore in this job) then changes nothing."""
-        current = self.reading.get(trial_id)
-        if token is not None and (current is None or current[1] != token):
+        if not self.readers.is_current(trial_id, token):
             return
         self.plans.pop(trial_id, None)
-        self.reading.pop(trial_id, None)
-        member = current[0] if current is not None else self.bound.get(trial_id)
-        self.bound.pop(trial_id, None)
+        member = self.readers.leave(trial_id)
         if member is not None:
             await self.leave(member)
 
@@ -559,9 +534,7 @@ class ChorusPool:
         waiting). Idempotent; a no-op for a member the pool never saw.
         ``reason`` (e.g. ``"reaped"``) is recorded in the bucket's history."""
         self._start()
-        held = self._held.pop(member, None)
-        if held is not None:
-            held[1].cancel()
+        self.scouts.release(member)
         self.seats.pop(member, None)
         self.failed.pop(member, None)
         self._unplaced.pop(member, None)
@@ -570,8 +543,8 @@ class ChorusPool:
             future.set_exception(RuntimeError(f"member {member} left before it was placed"))
         name = self.homes.pop(member, None)
         self.clients.pop(member, None)
-        if reason is not None and name in self.history:
-            self.history[name].setdefault(reason, []).append(member)
+        if reason is not None:
+            self.history.note(name, reason, member)
         update = self.placement.remove(member) if self.placement is not None else Update()
         if name is not None and notify_bucket and name in self.handles:
             try:
@@ -590,8 +563,7 @@ class ChorusPool:
             self.homes.pop(member, None)
         if reason == "reaped":
             self.seats.pop(member, None)  # gone: seating it again starts afresh
-            if name in self.history:
-                self.history[name].setdefault(reason, []).append(member)
+            self.history.note(name, reason, member)
         if self.placement is None or self.placement.bucket_of(member) != name:
             return
         await self._apply(self.placement.remove(member))
@@ -620,8 +592,7 @@ class ChorusPool:
         if capacity is not None and name in self.placement.buckets:
             logger.info("pool: bucket %s compacted to %d", name, capacity)
             self.placement.buckets[name].capacity = capacity
-            self.history[name]["capacity"] = capacity
-            self.history[name]["compactions"] = self.history[name].get("compactions", 0) + 1
+            self.history.compacted(name, capacity)
 
     async def bucket_failed(self, name: str) -> None:
         """A trainable saw bucket ``name`` die: forget it now (its death watch may be later)."""
@@ -704,7 +675,7 @@ class ChorusPool:
         if not shared:
             return
         # Per node: a bucket shares the cores of the node it runs on, not the cluster's.
-        nodes = {name: self.history.get(name, {}).get("node_id") for name in shared}
+        nodes = {name: self.history.node_of(name) for name in shared}
         for name, threads in shared_threads(node_cpus(), nodes).items():
             self.handles[name].set_threads.remote(threads)
 
@@ -713,15 +684,13 @@ class ChorusPool:
         ``requested_device`` and ``gpu_ids``. Kept in its history, so the stats
         say where a bucket ran after it closed or died with its node."""
         self._events += 1
-        if name in self.history:
-            self.history[name].update(where)
+        self.history.started(name, where)
         if name in self.handles:
             self._share_cores()
 
     async def _close_actor(self, name: str) -> None:
         handle = self.handles.pop(name, None)
-        if name in self.history:
-            self.history[name]["closed"] = True
+        self.history.closed(name)
         if handle is None:
             return
         try:
@@ -741,13 +710,12 @@ class ChorusPool:
     async def _bucket_gone(self, name: str, died: bool) -> None:
         self._events += 1
         self.handles.pop(name, None)
-        self._stops.pop(name, None)
+        self._stops.forget(name)
         lost = [m for m, home in self.homes.items() if home == name]
         for member in lost:
             self.homes.pop(member, None)
             self.seats.pop(member, None)
-        if name in self.history:
-            self.history[name].update(closed=True, died=died, lost=lost)
+        self.history.gone(name, died, lost)
         if self.placement is None or name not in self.placement.buckets:
             return
         # A bucket dies with its node, and the node's resources go with it: the
@@ -792,9 +760,9 @@ class ChorusPool:
                        if b != name and b in self.handles]
             waits_for = (f"bucket {name} to start: it claims {claimed}, "
                          + ("which no alive node has" if hopeless else f"held now by {holders or 'nothing'}"))
-        elif member in self._held:
+        elif self.scouts.is_held(member):
             waits_for = (f"the cohort ChorusSearch seats with scout member {member} (placed alone after "
-                         f"{SCOUT_WAIT_S:.0f} s)")
+                         f"{self.scouts.wait_s:.0f} s)")
         elif self.placement is not None and self.placement.is_waiting(member):
             key, ahead = self.placement.waiting_ahead(member)
             await self._evict_idle(key)
@@ -813,9 +781,9 @@ class ChorusPool:
         budget_used = not self.placement.can_open()
         for name, record in list(self.placement.buckets.items()):
             handle = self.handles.get(name)
-            if handle is None or "node_id" not in self.history.get(name, {}):
+            if handle is None or not self.history.has_started(name):
                 continue  # not started: nobody in it has read anything
-            if (record.free > 0) if record.key == key else not budget_used:
+            if not asks_to_evict(record.free, record.key == key, budget_used):
                 continue
             try:
                 evicted = await handle.evict_idle.remote(EVICT_IDLE_S)
@@ -829,7 +797,7 @@ class ChorusPool:
 
     async def _iterations(self) -> int:
         """Iterations run by the buckets that started (one that does not answer in time counts 0)."""
-        started = [h for n, h in self.handles.items() if "node_id" in self.history.get(n, {})]
+        started = [h for n, h in self.handles.items() if self.history.has_started(n)]
 
         async def one(handle) -> int:
             try:
@@ -842,8 +810,7 @@ class ChorusPool:
     async def bucket_of(self, member: str):
         """``(bucket name, handle)`` of the bucket holding ``member`` (a member
         or a trial id), or ``None``."""
-        reading = self.reading.get(member)
-        name = self.homes.get(reading[0] if reading else self.bound.get(member, member))
+        name = self.homes.get(self.readers.member_of(member))
         return None if name is None else (name, self.handles.get(name))
 
     async def free_slots(self, structural_key: Hashable) -> int:
@@ -859,22 +826,18 @@ class ChorusPool:
         runs (``node_id``, ``device``, ``requested_device``, ``gpu_ids``); and,
         read while it is open, wasted member-iterations, iterations and route."""
         out = {}
-        for name, info in self.history.items():
+        for name in self.history.names():
             record = self.placement.buckets.get(name) if self.placement else None
-            entry = {**info, "trials": list(info["trials"]), "reaped": list(info.get("reaped", [])),
-                     "members": list(record.members) if record else []}
-            handle = self.handles.get(name)
+            members = list(record.members) if record else []
+            handle, live = self.handles.get(name), None
             # Only a bucket that started answers: one waiting for resources
             # (a GPU another bucket holds) would hold up the stats until then.
-            if handle is not None and "node_id" in info:
+            if handle is not None and self.history.has_started(name):
                 try:
                     live = await handle.describe.remote()
-                    entry.update({k: live[k] for k in ("node_id", "wasted", "iterations", "route", "max_queue",
-                                                       "decision_points")})
-                    info.update({k: live[k] for k in ("node_id", "wasted", "iterations", "route")})
                 except RayActorError:
                     pass
-            out[name] = entry
+            out[name] = self.history.report(name, members, live)
         return out
 
     async def shutdown(self) -> None:

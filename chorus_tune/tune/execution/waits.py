@@ -76,3 +76,13 @@ def idle_members(asked_at: dict[str, float], candidates: list[str], busy: set[st
     a result now (``busy``), oldest ask first."""
     idle = [m for m in candidates if m not in busy and m in asked_at and now - asked_at[m] >= idle_s]
     return sorted(idle, key=lambda m: asked_at[m])
+
+
+def asks_to_evict(free: int, same_key: bool, budget_used: bool) -> bool:
+    """Whether a started bucket is asked to give up its idle members' slots
+    while a member waits for a slot of its key: a full bucket of that key is
+    (a slot it frees takes the waiting member); one of another key only when
+    the budget is used up (emptied, it closes and its budget opens a bucket of
+    the waiting member's key). A bucket of the key with a free slot is not:
+    the waiting member is not waiting for it."""
+    return free <= 0 if same_key else budget_used

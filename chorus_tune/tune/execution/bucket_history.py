@@ -1,0 +1,81 @@
+"""What the pool's stats say of every bucket it opened (Ray-free; the pool actor keeps one :class:`BucketHistory`).
+
+A bucket's entry outlives the bucket: ``bucket_stats()`` after a run still
+says where each bucket ran, what it trained, and whether it closed, died or
+reaped members.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+# What an open bucket's describe() adds to its entry when the stats are read,
+# and what of that the entry keeps for when the bucket has closed.
+LIVE_REPORTED = ("node_id", "wasted", "iterations", "route", "max_queue", "decision_points")
+LIVE_KEPT = ("node_id", "wasted", "iterations", "route")
+
+
+class BucketHistory:
+    """One entry per bucket, from its opening on; never dropped."""
+
+    def __init__(self) -> None:
+        self._entries: dict[str, dict] = {}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def names(self):
+        """The buckets opened, oldest first (a view: one opened meanwhile shows up)."""
+        return self._entries.keys()
+
+    def opened(self, name: str, model: str, capacity: int, trials: list[str], capacity_fit: dict | None) -> None:
+        """Bucket ``name`` opens with ``capacity`` slots. ``trials`` is the
+        placement's own list of every member the bucket ever held: shared, not
+        copied, so the entry follows members that join later."""
+        self._entries[name] = {"model": model, "bucket_size": capacity, "capacity": capacity, "trials": trials,
+                               "closed": False, "reaped": [], "capacity_fit": capacity_fit}
+
+    def started(self, name: str, where: dict[str, Any]) -> None:
+        """Bucket ``name`` runs: ``where`` holds its ``node_id``, ``device``,
+        ``requested_device`` and ``gpu_ids``."""
+        if name in self._entries:
+            self._entries[name].update(where)
+
+    def has_started(self, name: str) -> bool:
+        """Whether bucket ``name`` has said where it runs (until then nobody in it read anything,
+        and it may not answer: it waits for its resources)."""
+        return "node_id" in self._entries.get(name, {})
+
+    def node_of(self, name: str) -> str | None:
+        return self._entries.get(name, {}).get("node_id")
+
+    def note(self, name: str | None, reason: str, member: str) -> None:
+        """``member`` left bucket ``name`` for ``reason`` (e.g. ``"reaped"``);
+        ``None``: it was in no bucket, and nothing is noted."""
+        if name in self._entries:
+            self._entries[name].setdefault(reason, []).append(member)
+
+    def compacted(self, name: str, capacity: int) -> None:
+        entry = self._entries[name]
+        entry["capacity"] = capacity
+        entry["compactions"] = entry.get("compactions", 0) + 1
+
+    def closed(self, name: str) -> None:
+        if name in self._entries:
+            self._entries[name]["closed"] = True
+
+    def gone(self, name: str, died: bool, lost: list[str]) -> None:
+        """Bucket ``name`` is gone (``died``: not closed by the pool) with the members ``lost``."""
+        if name in self._entries:
+            self._entries[name].update(closed=True, died=died, lost=lost)
+
+    def report(self, name: str, members: list[str], live: dict[str, Any] | None = None) -> dict:
+        """Bucket ``name``'s entry for the stats: a copy, with its current
+        ``members`` and, when it answered, what ``live`` (its describe()) says
+        now. What of ``live`` stays true after it closes is kept."""
+        entry = self._entries[name]
+        out = {**entry, "trials": list(entry["trials"]), "reaped": list(entry.get("reaped", [])),
+               "members": list(members)}
+        if live is not None:
+            out.update({k: live[k] for k in LIVE_REPORTED})
+            entry.update({k: live[k] for k in LIVE_KEPT})
+        return out

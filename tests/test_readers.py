@@ -1,0 +1,99 @@
+"""Which member each trial reads (chorus_tune.tune.execution.readers), no Ray."""
+from chorus_tune.tune.execution.readers import Readers
+
+
+def among(*names):
+    return set(names).__contains__
+
+
+def test_a_trial_is_bound_to_a_placed_member_before_one_waiting_for_a_slot():
+    readers = Readers()
+    assert readers.bind("t1", ["m1", "m2", "m3"], seated=among("m1", "m2", "m3"), placed=among("m2", "m3")) == "m2"
+    assert readers.member_of("t1") == "m2"
+
+
+def test_with_none_placed_a_trial_is_bound_to_the_oldest_seated_member():
+    readers = Readers()
+    assert readers.bind("t1", ["m1", "m2"], seated=among("m1", "m2"), placed=among()) == "m1"
+
+
+def test_candidates_not_seated_are_passed_over():
+    readers = Readers()
+    assert readers.bind("t1", ["m1", "m2"], seated=among("m2"), placed=among("m1", "m2")) == "m2"
+
+
+def test_a_trial_with_no_seated_candidate_is_bound_to_nothing():
+    readers = Readers()
+    assert readers.bind("t1", ["m1"], seated=among(), placed=among()) is None
+    assert not readers.is_bound("t1")
+
+
+def test_a_trial_that_reads_already_keeps_its_member():
+    readers = Readers()
+    readers.start("t1", "m2")
+    assert readers.bind("t1", ["m1", "m2"], seated=among("m1", "m2"), placed=among("m1")) == "m2"
+
+
+def test_a_trial_that_reads_a_member_of_its_own_is_bound_to_no_candidate():
+    readers = Readers()
+    readers.start("t1", "t1")
+    assert readers.bind("t1", ["m1"], seated=among("m1"), placed=among("m1")) is None
+    assert not readers.is_bound("t1")
+
+
+def test_a_binding_to_a_member_lost_with_its_bucket_is_dropped():
+    readers = Readers()
+    readers.bind_to("t1", "m1")
+    assert readers.bound_member("t1", seated=among()) is None
+    assert not readers.is_bound("t1")
+
+
+def test_a_binding_to_a_seated_member_holds():
+    readers = Readers()
+    readers.bind_to("t1", "m1")
+    assert readers.bound_member("t1", seated=among("m1")) == "m1"
+
+
+def test_each_reservation_gets_a_new_token():
+    readers = Readers()
+    first = readers.start("t1", "t1")
+    second = readers.start("t1", "t1")
+    assert second != first
+    assert readers.is_current("t1", second) and not readers.is_current("t1", first)
+
+
+def test_any_token_is_current_when_none_is_named():
+    readers = Readers()
+    assert readers.is_current("t1", None)
+
+
+def test_a_token_is_stale_once_its_trial_left():
+    readers = Readers()
+    token = readers.start("t1", "t1")
+    readers.leave("t1")
+    assert not readers.is_current("t1", token)
+
+
+def test_a_trial_leaving_gives_the_member_it_read_and_unbinds_it():
+    readers = Readers()
+    readers.bind_to("t1", "m1")
+    readers.start("t1", "m1")
+    assert readers.leave("t1") == "m1"
+    assert not readers.is_reading("t1") and not readers.is_bound("t1")
+    assert readers.leave("t1") is None  # idempotent
+
+
+def test_a_bound_trial_that_never_reserved_leaves_its_bound_member():
+    readers = Readers()
+    readers.bind_to("t1", "m1")
+    assert readers.leave("t1") == "m1"
+
+
+def test_a_name_no_trial_reads_is_taken_for_a_members_own():
+    assert Readers().member_of("m7") == "m7"
+
+
+def test_a_bound_trial_that_has_not_reserved_is_found_by_its_bound_member():
+    readers = Readers()
+    readers.bind_to("t1", "m1")
+    assert readers.member_of("t1") == "m1"
