@@ -20,19 +20,12 @@ from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
 from chorus_tune.tune.execution.pool import NAMESPACE, pool_name
 from chorus_tune.tune.trial.checkpoint import member_state
 
-from tune_support import by_iteration, digits_task, history, run_config, start_ray
+from tune_support import by_iteration, digits_task, history, run_config
 
-pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 HERE = os.path.dirname(__file__)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    start_ray(num_cpus=2)
-    yield
-    ray.shutdown()
 
 
 def _reference_losses(task, config, seed, iterations):

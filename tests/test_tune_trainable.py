@@ -5,7 +5,6 @@ import os
 import time
 
 import pytest
-import ray
 import torch
 from ray import tune
 
@@ -13,16 +12,9 @@ from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats, load_model, retire_trial
 from chorus_tune.tune import result_keys as rk
 
-from tune_support import digits_task, history, mlp, picky_mlp, run_config, start_ray
+from tune_support import digits_task, history, mlp, picky_mlp, run_config
 
-pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster():
-    start_ray(num_cpus=2)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("local_ray")
 
 
 def _fit(trainable, param_space, tmp_path, iterations, **tune_kwargs):
