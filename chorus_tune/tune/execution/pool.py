@@ -41,6 +41,7 @@ from .readers import Readers
 from .resources import bucket_actor_options, bucket_budget, bucket_resources, shared_threads
 from .run_stops import RunStops
 from .scouts import Scouts
+from .seat_book import SeatBook
 from .sizing import fit_summary, measure_bucket_size
 from .waits import EVICT_IDLE_S, asks_to_evict, fits_a_node
 
@@ -176,10 +177,8 @@ class ChorusPool:
         self.key_info: dict[GroupKey, GroupKey] = {}
         self.clients: dict[str, Any] = {}
         self.history = BucketHistory()
-        self.seats: dict[str, Join] = {}  # seated members: what they are built from
-        self.failed: dict[str, BaseException] = {}  # seated members whose model cannot be built
+        self.book = SeatBook()  # seated members, those that cannot be built, and each member's home bucket
         self.readers = Readers()  # trial id -> the member it reads (or the seated one it is bound to)
-        self.homes: dict[str, str] = {}  # member -> the bucket holding its records (slot, or results to drain)
         self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
         self._closing: set[str] = set()
@@ -244,24 +243,20 @@ class ChorusPool:
         for member, config, seed in seats:
             if self.scouts.release(member) is not None:
                 # A scout's member: seated now, first, with the cohort it waited for.
-                del self.seats[member]
-            if member in self.seats or member in self.homes or member in self.failed:
-                # Seated again (ChorusSearch restored in this job): it is kept
-                # as it is. Its state is what a fresh seat would compute, only
-                # further along, and its results wait from the first one its
-                # trial has not read. (A trial that read some and left made it
-                # leave.) Restarting it would pull it from under a trial that
-                # already reads it or waits for its slot.
-                out[member] = self._seat_status(member)
+                self.book.unseat(member)
+            if self.book.is_kept(member):
+                # Seated again (ChorusSearch restored in this job): kept as it is.
+                # (A trial that read some of its results and left made it leave.)
+                out[member] = self.book.status(member)
                 continue
             try:
                 key = self._key(task_id_, options, config)
                 size = await self._bucket_size(key, options, config)
             except Exception as exc:  # noqa: BLE001 - the factory's (or the sizing's) error, for this member's trial
-                self.failed[member] = exc
+                self.book.fail(member, exc)
                 out[member] = "failed"
                 continue
-            self.seats[member] = Join(config=dict(config), seed=int(seed), plan=plan)
+            self.book.seat(member, Join(config=dict(config), seed=int(seed), plan=plan))
             placed = self.placement.request(member, key, size)
             out[member] = "queued" if placed is None else "seated"
             if placed is not None:
@@ -273,22 +268,13 @@ class ChorusPool:
             asyncio.get_running_loop().create_task(self._realize_waiting(placed))
         return out
 
-    def _seat_status(self, member: str) -> str:
-        if member in self.failed:
-            return "failed"
-        return "seated" if member in self.homes else "queued"
-
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
         """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
         first): one with a bucket before one still waiting for a slot, so the
         trials Tune runs read results that exist. Returns the member; for a
         trial that runs already, the candidate it reads, or ``None`` when it
         reads a member of its own."""
-        return self.readers.bind(trial_id, candidates, self._is_seated, self.homes.__contains__)
-
-    def _is_seated(self, member: str) -> bool:
-        # A member whose model cannot be built stays seated: its trial fails with the factory's error.
-        return member in self.seats or member in self.failed
+        return self.readers.bind(trial_id, candidates, self.book.is_seated, self.book.is_housed)
 
     # ----- trials in ------------------------------------------------------------------------------
     # ----- a search that learns its task from its first trial (a scout) --------------------------
@@ -306,7 +292,7 @@ class ChorusPool:
     def _hold_scout(self, trial_id: str, task_id_: str, options: BucketOptions) -> str:
         member, config, seed = self.scouts.arrived(trial_id, task_id_, options)
         key = self._key(task_id_, options, config)  # the factory's error, for the scout's trial
-        self.seats[member] = Join(config=dict(config), seed=int(seed), plan=options.plan())
+        self.book.seat(member, Join(config=dict(config), seed=int(seed), plan=options.plan()))
         self.readers.bind_to(trial_id, member)
         self.scouts.hold(member, key, lambda m: asyncio.get_running_loop().create_task(self._place_held(m)))
         return member
@@ -318,7 +304,7 @@ class ChorusPool:
         logger.warning("pool: scout member %s waited %.0f s for its cohort; placed alone", member,
                        self.scouts.wait_s)
         options = key.options
-        size = await self._bucket_size(key, options, self.seats[member].config)
+        size = await self._bucket_size(key, options, self.book.join_of(member).config)
         placed = self.placement.request(member, key, size)
         if placed is not None:
             await self._realize_waiting(placed)
@@ -344,13 +330,14 @@ class ChorusPool:
             await self.trial_left(trial_id)
         if self.scouts.is_expected(trial_id):
             self._hold_scout(trial_id, task_id_, options)
-        member = self.readers.bound_member(trial_id, self._is_seated)  # None once lost with its bucket
+        member = self.readers.bound_member(trial_id, self.book.is_seated)  # None once lost with its bucket
         token = self.readers.start(trial_id, trial_id if member is None else member)
         if member is not None:
-            if member in self.failed:
-                raise self.failed[member]
-            seat = self.seats[member]
-            name = self.homes.get(member)
+            failure = self.book.failure(member)
+            if failure is not None:
+                raise failure
+            seat = self.book.join_of(member)
+            name = self.book.home(member)
             # Its bucket watches this trial's actor from now on, not only once
             # it first reads: an actor that dies before would leave the member
             # holding its slot for good.
@@ -373,7 +360,7 @@ class ChorusPool:
         await asyncio.wait({realizing}, timeout=_REALIZE_WAIT_S)
         if trial_id in self._unplaced:
             raise self._unplaced.pop(trial_id)
-        name = self.homes.get(trial_id)
+        name = self.book.home(trial_id)
         return Reservation(trial_id, seed, plan, name, self.handles.get(name), False, token)
 
     async def await_placement(self, member: str):
@@ -381,7 +368,7 @@ class ChorusPool:
         (and its bucket expects it)."""
         if member in self._unplaced:
             raise self._unplaced[member]
-        name = self.homes.get(member)
+        name = self.book.home(member)
         if name is None:
             placed = self.scouts.is_held(member) or self.placement is not None and (
                 self.placement.is_waiting(member) or self.placement.bucket_of(member) is not None)
@@ -447,10 +434,10 @@ class ChorusPool:
             self.history.opened(name, model_name, record.capacity, record.ever, fit)
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
         member = placed.trial_id
-        await self.handles[name].expect.remote(member, self.clients.get(member), self.seats.get(member))
+        await self.handles[name].expect.remote(member, self.clients.get(member), self.book.join_of(member))
         # Known as its home only once the bucket expects it: a trial that asks
         # the bucket before then would find no such member there.
-        self.homes[member] = name
+        self.book.house(member, name)
         self._events += 1
         future = self._waiting.pop(member, None)
         if future is not None and not future.done():
@@ -506,9 +493,9 @@ class ChorusPool:
         and sent to its bucket if it has joined already. (A seated member knew
         its rungs when it was seated.)"""
         self.plans[trial_id] = schedule
-        if self.readers.is_bound(trial_id) or trial_id not in self.homes:
+        name = self.book.home(trial_id)
+        if self.readers.is_bound(trial_id) or name is None:
             return
-        name = self.homes[trial_id]
         record = self.placement.buckets.get(name) if self.placement else None
         if record is not None and name in self.handles:
             try:
@@ -535,13 +522,11 @@ class ChorusPool:
         ``reason`` (e.g. ``"reaped"``) is recorded in the bucket's history."""
         self._start()
         self.scouts.release(member)
-        self.seats.pop(member, None)
-        self.failed.pop(member, None)
+        name = self.book.leave(member)
         self._unplaced.pop(member, None)
         future = self._waiting.pop(member, None)
         if future is not None and not future.done():
             future.set_exception(RuntimeError(f"member {member} left before it was placed"))
-        name = self.homes.pop(member, None)
         self.clients.pop(member, None)
         if reason is not None:
             self.history.note(name, reason, member)
@@ -559,10 +544,8 @@ class ChorusPool:
         """Bucket ``name`` says ``member`` no longer needs its slot: it
         ``"finished"`` (its results still drain from the bucket), or ``"failed"``
         or was ``"reaped"``. The slot goes to a waiting member."""
-        if reason != "finished":
-            self.homes.pop(member, None)
+        self.book.out(member, reason)
         if reason == "reaped":
-            self.seats.pop(member, None)  # gone: seating it again starts afresh
             self.history.note(name, reason, member)
         if self.placement is None or self.placement.bucket_of(member) != name:
             return
@@ -711,10 +694,7 @@ class ChorusPool:
         self._events += 1
         self.handles.pop(name, None)
         self._stops.forget(name)
-        lost = [m for m, home in self.homes.items() if home == name]
-        for member in lost:
-            self.homes.pop(member, None)
-            self.seats.pop(member, None)
+        lost = self.book.bucket_lost(name)
         self.history.gone(name, died, lost)
         if self.placement is None or name not in self.placement.buckets:
             return
@@ -749,8 +729,8 @@ class ChorusPool:
         never end: its bucket claims resources that no alive node has)."""
         name = self.placement.bucket_of(member) if self.placement is not None else None
         hopeless = False
-        if member in self.homes:
-            waits_for = f"nothing: member {member} is in bucket {self.homes[member]}"
+        if self.book.is_housed(member):
+            waits_for = f"nothing: member {member} is in bucket {self.book.home(member)}"
         elif name is not None:
             claimed = bucket_actor_options(self._bucket_resources(self.placement.buckets[name].key.options))
             claimed = {"GPU": claimed["num_gpus"], **claimed.get("resources", {})}
@@ -790,8 +770,7 @@ class ChorusPool:
             except RayActorError:
                 continue
             for member in evicted:
-                if self.homes.get(member) == name:
-                    self.homes.pop(member)
+                self.book.evicted(member, name)
                 if self.placement.bucket_of(member) == name:
                     await self._apply(self.placement.remove(member))
 
@@ -810,7 +789,7 @@ class ChorusPool:
     async def bucket_of(self, member: str):
         """``(bucket name, handle)`` of the bucket holding ``member`` (a member
         or a trial id), or ``None``."""
-        name = self.homes.get(self.readers.member_of(member))
+        name = self.book.home(self.readers.member_of(member))
         return None if name is None else (name, self.handles.get(name))
 
     async def free_slots(self, structural_key: Hashable) -> int:
