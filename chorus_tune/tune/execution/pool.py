@@ -32,8 +32,9 @@ from ray.exceptions import RayActorError
 
 from ..observe.actor_log import log_to_actor_stdout
 from .bucket_history import BucketHistory
+from .closing import Watches, compact_after_s, compacted, compaction_due, idle_close_s, stays_idle
 from .cluster import node_cpus, pool_scheduling_strategy
-from .grouping import GroupKey, should_compact
+from .grouping import GroupKey
 from .members import Plan
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
@@ -181,8 +182,8 @@ class ChorusPool:
         self.readers = Readers()  # trial id -> the member it reads (or the seated one it is bound to)
         self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
-        self._closing: set[str] = set()
-        self._idle: set[str] = set()  # empty buckets waiting to be drained before they close
+        self._closing = Watches()  # buckets closing once drained
+        self._idle = Watches()  # empty buckets waiting to be drained before they close
         self._unplaced: dict[str, BaseException] = {}  # members whose placement failed: why
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
         # ChorusSearch without task= (see ChorusSearch._send_scout): its scout
@@ -553,28 +554,20 @@ class ChorusPool:
         self._later_compact(name)
 
     def _later_compact(self, name: str) -> None:
-        # Later, not now: a reset_config leaves and rejoins at once, and a
-        # bucket must not shrink under the member that refills it.
-        record = self.placement.buckets.get(name) if self.placement else None
-        delay = record.key.options.compact_after_s if record is not None else 0.0
-        asyncio.get_running_loop().create_task(self._maybe_compact(name, delay))
+        # Later, not now: a bucket must not shrink under the member that refills it.
+        asyncio.get_running_loop().create_task(self._maybe_compact(name, compact_after_s(self.placement, name)))
 
     async def _maybe_compact(self, name: str, delay_s: float = 0.0) -> None:
         await asyncio.sleep(delay_s)
-        record = self.placement.buckets.get(name) if self.placement else None
         handle = self.handles.get(name)
-        if record is None or handle is None or not record.key.options.compact:
-            return
-        waiting = self.placement.waiting_for(record.key)
-        if not should_compact(record.capacity, len(record.members), waiting):
+        if handle is None or not compaction_due(self.placement, name):
             return
         try:
             capacity = await handle.compact.remote()
         except RayActorError:
             return
-        if capacity is not None and name in self.placement.buckets:
+        if compacted(self.placement, name, capacity):
             logger.info("pool: bucket %s compacted to %d", name, capacity)
-            self.placement.buckets[name].capacity = capacity
             self.history.compacted(name, capacity)
 
     async def bucket_failed(self, name: str) -> None:
@@ -591,29 +584,22 @@ class ChorusPool:
             asyncio.get_running_loop().create_task(self._close_if_idle(name))
 
     async def _close_if_idle(self, name: str) -> None:
-        record = self.placement.buckets.get(name)
-        if record is None:
+        # It stays in the placement until its members' trials read every result (see closing.py).
+        delay_s = idle_close_s(self.placement, name)
+        if delay_s is None:
             return
-        await asyncio.sleep(record.key.options.idle_close_s)
-        if name in self._idle:
+        await asyncio.sleep(delay_s)
+        if not self._idle.start(name):
             return
-        # Until its members' trials have read every result, the bucket's actor
-        # lives and holds its resources (its GPU), so it stays in the placement:
-        # counted against the budget, and open to a member of its key. Freed
-        # before, its budget opened a bucket that could not start, and the
-        # trials waiting for that one kept this one's readers from running (seen
-        # when a lost node's trials restarted: the sweep hung).
-        self._idle.add(name)
         try:
             while True:
-                record = self.placement.buckets.get(name)
-                if record is None or record.members:
-                    return  # its budget went to another key (that closes it), or it was refilled
+                if not stays_idle(self.placement, name):
+                    return
                 if await self._drained(name):
                     break
                 await asyncio.sleep(_DRAIN_POLL_S)
         finally:
-            self._idle.discard(name)
+            self._idle.end(name)
         _, update = self.placement.close(name)
         await self._apply(update)
         self._share_cores()
@@ -631,9 +617,8 @@ class ChorusPool:
     async def _close_when_drained(self, name: str) -> None:
         # A bucket whose slots are empty may still hold results its members'
         # trials have not read: it closes once they have.
-        if name in self._closing:
+        if not self._closing.start(name):
             return
-        self._closing.add(name)
         try:
             while name in self.handles:
                 try:
@@ -644,7 +629,7 @@ class ChorusPool:
                 await asyncio.sleep(_DRAIN_POLL_S)
             await self._close_actor(name)
         finally:
-            self._closing.discard(name)
+            self._closing.end(name)
 
     def _share_cores(self) -> None:
         """On a CPU-only machine with default bucket resources, the open buckets
