@@ -44,7 +44,8 @@ from .run_stops import RunStops
 from .scouts import Scouts
 from .seat_book import SeatBook
 from .sizing import fit_summary, measure_bucket_size
-from .waits import EVICT_IDLE_S, asks_to_evict, fits_a_node
+from .wait_status import what_it_waits_for, word_wait
+from .waits import EVICT_IDLE_S, asks_to_evict
 
 logger = logging.getLogger(__name__)
 
@@ -712,30 +713,11 @@ class ChorusPool:
         ``progress`` (changes whenever anything in the sweep moves: the pool's
         events and its buckets' iterations) and ``hopeless`` (the wait can
         never end: its bucket claims resources that no alive node has)."""
-        name = self.placement.bucket_of(member) if self.placement is not None else None
-        hopeless = False
-        if self.book.is_housed(member):
-            waits_for = f"nothing: member {member} is in bucket {self.book.home(member)}"
-        elif name is not None:
-            claimed = bucket_actor_options(self._bucket_resources(self.placement.buckets[name].key.options))
-            claimed = {"GPU": claimed["num_gpus"], **claimed.get("resources", {})}
-            totals = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
-            hopeless = not fits_a_node(claimed, totals)
-            holders = [f"{b} ({len(r.members)} members)" for b, r in self.placement.buckets.items()
-                       if b != name and b in self.handles]
-            waits_for = (f"bucket {name} to start: it claims {claimed}, "
-                         + ("which no alive node has" if hopeless else f"held now by {holders or 'nothing'}"))
-        elif self.scouts.is_held(member):
-            waits_for = (f"the cohort ChorusSearch seats with scout member {member} (placed alone after "
-                         f"{self.scouts.wait_s:.0f} s)")
-        elif self.placement is not None and self.placement.is_waiting(member):
-            key, ahead = self.placement.waiting_ahead(member)
-            await self._evict_idle(key)
-            buckets = [f"{b} ({len(r.members)}/{r.capacity})" for b, r in self.placement.buckets.items()]
-            waits_for = (f"a slot in a bucket of {key.model_name} ({ahead} member(s) queued before it; "
-                         f"{len(buckets)} of {self.placement.max_buckets} bucket(s) open: {buckets})")
-        else:
-            waits_for = f"member {member}, which the pool does not know"
+        wait = what_it_waits_for(member, self.book.home(member), self.placement, self.scouts.is_held(member))
+        if wait.key is not None:  # it waits for a slot: idle members of full buckets give theirs up
+            await self._evict_idle(wait.key)
+        waits_for, hopeless = word_wait(member, wait, self.placement, self.handles, self._bucket_resources,
+                                        _alive_nodes, self.scouts.wait_s)
         return {"waits_for": waits_for, "progress": self._events + await self._iterations(), "hopeless": hopeless}
 
     async def _evict_idle(self, key: GroupKey) -> None:
@@ -819,6 +801,11 @@ def _log_split(key: GroupKey, known: dict[GroupKey, GroupKey]) -> None:
             logger.info("pool: %s members of another structure get buckets of their own: %s", key.model_name,
                         describe_split(other.structural_key, key.structural_key))
             return
+
+
+def _alive_nodes() -> list[dict[str, float]]:
+    """Each alive node's total resources."""
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
 
 
 def _log_size(key: GroupKey, done: asyncio.Future) -> None:
