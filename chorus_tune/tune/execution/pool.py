@@ -34,12 +34,13 @@ from ..observe.actor_log import log_to_actor_stdout
 from .bucket_history import BucketHistory
 from .closing import Watches, compact_after_s, compacted, compaction_due, idle_close_s, stays_idle
 from .cluster import node_cpus, pool_scheduling_strategy
-from .grouping import GroupKey
+from .grouping import GroupKey, split_from
 from .members import Plan
+from .opening import actor_options, bucket_options
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
 from .readers import Readers
-from .resources import bucket_actor_options, bucket_budget, bucket_resources, shared_threads
+from .resources import bucket_budget, bucket_resources, shared_threads
 from .run_stops import RunStops
 from .scouts import Scouts
 from .seat_book import SeatBook
@@ -224,7 +225,7 @@ class ChorusPool:
         skey = task.structural_key(config)  # raises the factory's own error for a bad config
         key = GroupKey(task_id_, options, self._model_name(task, config), skey)
         if key not in self.key_info:
-            _log_split(key, self.key_info)
+            _log_split(key, split_from(key, self.key_info))
         self.key_info.setdefault(key, key)
         return key
 
@@ -419,17 +420,12 @@ class ChorusPool:
             record = self.placement.buckets[name]
             tid, options, model_name, _ = self.key_info[record.key]
             resources = self._bucket_resources(options)
-            # The bucket gets its size as a number: an "auto" size was measured for its key.
-            bucket_options = BucketOptions(**{**options.__dict__, "bucket_size": record.capacity,
-                                              "resources_per_bucket": BucketOptions.resources(resources)})
             fit = self._fit_of(record.key)
             from .bucket_actor import BucketActor
 
-            handle = BucketActor.options(
-                name=name, namespace=NAMESPACE, scheduling_strategy="DEFAULT", max_restarts=0,
-                **bucket_actor_options(resources),
-            ).remote(name, self.blobs[tid], bucket_options, model_name, ray.get_runtime_context().current_actor,
-                     capacity_fit=fit)
+            handle = BucketActor.options(**actor_options(name, NAMESPACE, resources)).remote(
+                name, self.blobs[tid], bucket_options(options, record.capacity, resources), model_name,
+                ray.get_runtime_context().current_actor, capacity_fit=fit)
             self.handles[name] = handle
             self._send_stops(name)  # a bucket opened mid-run knows the decision points already
             self._share_cores()
@@ -791,16 +787,15 @@ class ChorusPool:
             await self._close_actor(name)
 
 
-def _log_split(key: GroupKey, known: dict[GroupKey, GroupKey]) -> None:
-    """Say why a new structure of a model already seen gets buckets of its own
-    (docs/design.md D9): say, members whose activation differs."""
+def _log_split(key: GroupKey, other: GroupKey | None) -> None:
+    """Say why a new structure of a model already seen (``other``) gets buckets
+    of its own (docs/design.md D9): say, members whose activation differs."""
+    if other is None:
+        return
     from chorus_tune.stack import describe_split
 
-    for other in known:
-        if (other.task_id, other.options, other.model_name) == (key.task_id, key.options, key.model_name):
-            logger.info("pool: %s members of another structure get buckets of their own: %s", key.model_name,
-                        describe_split(other.structural_key, key.structural_key))
-            return
+    logger.info("pool: %s members of another structure get buckets of their own: %s", key.model_name,
+                describe_split(other.structural_key, key.structural_key))
 
 
 def _alive_nodes() -> list[dict[str, float]]:
