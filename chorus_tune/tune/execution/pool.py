@@ -768,7 +768,7 @@ class ChorusPool:
         runs (``node_id``, ``device``, ``requested_device``, ``gpu_ids``); and,
         read while it is open, wasted member-iterations, iterations and route."""
         out = {}
-        for name in self.history.names():
+        for name in self.history.names():  # a copy: a bucket may open while this awaits each one
             record = self.placement.buckets.get(name) if self.placement else None
             members = list(record.members) if record else []
             handle, live = self.handles.get(name), None
