@@ -83,3 +83,14 @@ def test_a_member_that_left_no_bucket_is_noted_nowhere():
     history = opened()
     history.note(None, "reaped", "t1")
     assert history.report("b1", [])["reaped"] == []
+
+
+def test_a_bucket_opened_while_the_names_are_read_does_not_disturb_the_reading():
+    # The pool's stats await each bucket's describe() in turn: a bucket opened
+    # meanwhile once raised "dictionary changed size during iteration".
+    history = opened()
+    read = []
+    for name in history.names():
+        read.append(name)
+        history.opened("b2", "MLP", 4, [], None)
+    assert read == ["b1"] and list(history.names()) == ["b1", "b2"]

@@ -29,6 +29,8 @@ def test_pure_policy_modules_do_not_import_ray():
             "chorus_tune.tune.execution.members, chorus_tune.tune.execution.placement, "
             "chorus_tune.tune.execution.run_stops, chorus_tune.tune.execution.scouts, "
             "chorus_tune.tune.execution.readers, chorus_tune.tune.execution.bucket_history, "
+            "chorus_tune.tune.execution.seat_book, chorus_tune.tune.execution.closing, "
+            "chorus_tune.tune.execution.wait_status, chorus_tune.tune.execution.opening, "
             "chorus_tune.tune.execution.waits; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -23,9 +23,10 @@ class BucketHistory:
     def __contains__(self, name: object) -> bool:
         return name in self._entries
 
-    def names(self):
-        """The buckets opened, oldest first (a view: one opened meanwhile shows up)."""
-        return self._entries.keys()
+    def names(self) -> list[str]:
+        """The buckets opened so far, oldest first: a copy, so a caller that
+        awaits each bucket in turn (the pool's stats) may see another open meanwhile."""
+        return list(self._entries)
 
     def opened(self, name: str, model: str, capacity: int, trials: list[str], capacity_fit: dict | None) -> None:
         """Bucket ``name`` opens with ``capacity`` slots. ``trials`` is the

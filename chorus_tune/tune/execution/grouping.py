@@ -29,3 +29,13 @@ def should_compact(capacity: int, live: int, waiting: int) -> bool:
     that the search holds back or has released but that have not joined yet.
     """
     return live > 0 and 2 * live <= capacity and waiting <= 0
+
+
+def split_from(key: GroupKey, known) -> GroupKey | None:
+    """A key already ``known`` that ``key`` differs from only in structure (same
+    task, options and model): members of the new structure get buckets of their
+    own, and the pool says why (docs/design.md D9). ``None``: nothing like it was seen."""
+    for other in known:
+        if (other.task_id, other.options, other.model_name) == (key.task_id, key.options, key.model_name):
+            return other
+    return None

@@ -32,17 +32,21 @@ from ray.exceptions import RayActorError
 
 from ..observe.actor_log import log_to_actor_stdout
 from .bucket_history import BucketHistory
+from .closing import Watches, compact_after_s, compacted, compaction_due, idle_close_s, stays_idle
 from .cluster import node_cpus, pool_scheduling_strategy
-from .grouping import GroupKey, should_compact
+from .grouping import GroupKey, split_from
 from .members import Plan
+from .opening import actor_options, bucket_options
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
 from .readers import Readers
-from .resources import bucket_actor_options, bucket_budget, bucket_resources, shared_threads
+from .resources import bucket_budget, bucket_resources, shared_threads
 from .run_stops import RunStops
 from .scouts import Scouts
+from .seat_book import SeatBook
 from .sizing import fit_summary, measure_bucket_size
-from .waits import EVICT_IDLE_S, asks_to_evict, fits_a_node
+from .wait_status import what_it_waits_for, word_wait
+from .waits import EVICT_IDLE_S, asks_to_evict
 
 logger = logging.getLogger(__name__)
 
@@ -176,14 +180,12 @@ class ChorusPool:
         self.key_info: dict[GroupKey, GroupKey] = {}
         self.clients: dict[str, Any] = {}
         self.history = BucketHistory()
-        self.seats: dict[str, Join] = {}  # seated members: what they are built from
-        self.failed: dict[str, BaseException] = {}  # seated members whose model cannot be built
+        self.book = SeatBook()  # seated members, those that cannot be built, and each member's home bucket
         self.readers = Readers()  # trial id -> the member it reads (or the seated one it is bound to)
-        self.homes: dict[str, str] = {}  # member -> the bucket holding its records (slot, or results to drain)
         self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
-        self._closing: set[str] = set()
-        self._idle: set[str] = set()  # empty buckets waiting to be drained before they close
+        self._closing = Watches()  # buckets closing once drained
+        self._idle = Watches()  # empty buckets waiting to be drained before they close
         self._unplaced: dict[str, BaseException] = {}  # members whose placement failed: why
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
         # ChorusSearch without task= (see ChorusSearch._send_scout): its scout
@@ -223,7 +225,7 @@ class ChorusPool:
         skey = task.structural_key(config)  # raises the factory's own error for a bad config
         key = GroupKey(task_id_, options, self._model_name(task, config), skey)
         if key not in self.key_info:
-            _log_split(key, self.key_info)
+            _log_split(key, split_from(key, self.key_info))
         self.key_info.setdefault(key, key)
         return key
 
@@ -244,24 +246,20 @@ class ChorusPool:
         for member, config, seed in seats:
             if self.scouts.release(member) is not None:
                 # A scout's member: seated now, first, with the cohort it waited for.
-                del self.seats[member]
-            if member in self.seats or member in self.homes or member in self.failed:
-                # Seated again (ChorusSearch restored in this job): it is kept
-                # as it is. Its state is what a fresh seat would compute, only
-                # further along, and its results wait from the first one its
-                # trial has not read. (A trial that read some and left made it
-                # leave.) Restarting it would pull it from under a trial that
-                # already reads it or waits for its slot.
-                out[member] = self._seat_status(member)
+                self.book.unseat(member)
+            if self.book.is_kept(member):
+                # Seated again (ChorusSearch restored in this job): kept as it is.
+                # (A trial that read some of its results and left made it leave.)
+                out[member] = self.book.status(member)
                 continue
             try:
                 key = self._key(task_id_, options, config)
                 size = await self._bucket_size(key, options, config)
             except Exception as exc:  # noqa: BLE001 - the factory's (or the sizing's) error, for this member's trial
-                self.failed[member] = exc
+                self.book.fail(member, exc)
                 out[member] = "failed"
                 continue
-            self.seats[member] = Join(config=dict(config), seed=int(seed), plan=plan)
+            self.book.seat(member, Join(config=dict(config), seed=int(seed), plan=plan))
             placed = self.placement.request(member, key, size)
             out[member] = "queued" if placed is None else "seated"
             if placed is not None:
@@ -273,22 +271,13 @@ class ChorusPool:
             asyncio.get_running_loop().create_task(self._realize_waiting(placed))
         return out
 
-    def _seat_status(self, member: str) -> str:
-        if member in self.failed:
-            return "failed"
-        return "seated" if member in self.homes else "queued"
-
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
         """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
         first): one with a bucket before one still waiting for a slot, so the
         trials Tune runs read results that exist. Returns the member; for a
         trial that runs already, the candidate it reads, or ``None`` when it
         reads a member of its own."""
-        return self.readers.bind(trial_id, candidates, self._is_seated, self.homes.__contains__)
-
-    def _is_seated(self, member: str) -> bool:
-        # A member whose model cannot be built stays seated: its trial fails with the factory's error.
-        return member in self.seats or member in self.failed
+        return self.readers.bind(trial_id, candidates, self.book.is_seated, self.book.is_housed)
 
     # ----- trials in ------------------------------------------------------------------------------
     # ----- a search that learns its task from its first trial (a scout) --------------------------
@@ -306,7 +295,7 @@ class ChorusPool:
     def _hold_scout(self, trial_id: str, task_id_: str, options: BucketOptions) -> str:
         member, config, seed = self.scouts.arrived(trial_id, task_id_, options)
         key = self._key(task_id_, options, config)  # the factory's error, for the scout's trial
-        self.seats[member] = Join(config=dict(config), seed=int(seed), plan=options.plan())
+        self.book.seat(member, Join(config=dict(config), seed=int(seed), plan=options.plan()))
         self.readers.bind_to(trial_id, member)
         self.scouts.hold(member, key, lambda m: asyncio.get_running_loop().create_task(self._place_held(m)))
         return member
@@ -318,7 +307,7 @@ class ChorusPool:
         logger.warning("pool: scout member %s waited %.0f s for its cohort; placed alone", member,
                        self.scouts.wait_s)
         options = key.options
-        size = await self._bucket_size(key, options, self.seats[member].config)
+        size = await self._bucket_size(key, options, self.book.join_of(member).config)
         placed = self.placement.request(member, key, size)
         if placed is not None:
             await self._realize_waiting(placed)
@@ -344,13 +333,14 @@ class ChorusPool:
             await self.trial_left(trial_id)
         if self.scouts.is_expected(trial_id):
             self._hold_scout(trial_id, task_id_, options)
-        member = self.readers.bound_member(trial_id, self._is_seated)  # None once lost with its bucket
+        member = self.readers.bound_member(trial_id, self.book.is_seated)  # None once lost with its bucket
         token = self.readers.start(trial_id, trial_id if member is None else member)
         if member is not None:
-            if member in self.failed:
-                raise self.failed[member]
-            seat = self.seats[member]
-            name = self.homes.get(member)
+            failure = self.book.failure(member)
+            if failure is not None:
+                raise failure
+            seat = self.book.join_of(member)
+            name = self.book.home(member)
             # Its bucket watches this trial's actor from now on, not only once
             # it first reads: an actor that dies before would leave the member
             # holding its slot for good.
@@ -373,7 +363,7 @@ class ChorusPool:
         await asyncio.wait({realizing}, timeout=_REALIZE_WAIT_S)
         if trial_id in self._unplaced:
             raise self._unplaced.pop(trial_id)
-        name = self.homes.get(trial_id)
+        name = self.book.home(trial_id)
         return Reservation(trial_id, seed, plan, name, self.handles.get(name), False, token)
 
     async def await_placement(self, member: str):
@@ -381,7 +371,7 @@ class ChorusPool:
         (and its bucket expects it)."""
         if member in self._unplaced:
             raise self._unplaced[member]
-        name = self.homes.get(member)
+        name = self.book.home(member)
         if name is None:
             placed = self.scouts.is_held(member) or self.placement is not None and (
                 self.placement.is_waiting(member) or self.placement.bucket_of(member) is not None)
@@ -430,27 +420,22 @@ class ChorusPool:
             record = self.placement.buckets[name]
             tid, options, model_name, _ = self.key_info[record.key]
             resources = self._bucket_resources(options)
-            # The bucket gets its size as a number: an "auto" size was measured for its key.
-            bucket_options = BucketOptions(**{**options.__dict__, "bucket_size": record.capacity,
-                                              "resources_per_bucket": BucketOptions.resources(resources)})
             fit = self._fit_of(record.key)
             from .bucket_actor import BucketActor
 
-            handle = BucketActor.options(
-                name=name, namespace=NAMESPACE, scheduling_strategy="DEFAULT", max_restarts=0,
-                **bucket_actor_options(resources),
-            ).remote(name, self.blobs[tid], bucket_options, model_name, ray.get_runtime_context().current_actor,
-                     capacity_fit=fit)
+            handle = BucketActor.options(**actor_options(name, NAMESPACE, resources)).remote(
+                name, self.blobs[tid], bucket_options(options, record.capacity, resources), model_name,
+                ray.get_runtime_context().current_actor, capacity_fit=fit)
             self.handles[name] = handle
             self._send_stops(name)  # a bucket opened mid-run knows the decision points already
             self._share_cores()
             self.history.opened(name, model_name, record.capacity, record.ever, fit)
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
         member = placed.trial_id
-        await self.handles[name].expect.remote(member, self.clients.get(member), self.seats.get(member))
+        await self.handles[name].expect.remote(member, self.clients.get(member), self.book.join_of(member))
         # Known as its home only once the bucket expects it: a trial that asks
         # the bucket before then would find no such member there.
-        self.homes[member] = name
+        self.book.house(member, name)
         self._events += 1
         future = self._waiting.pop(member, None)
         if future is not None and not future.done():
@@ -506,9 +491,9 @@ class ChorusPool:
         and sent to its bucket if it has joined already. (A seated member knew
         its rungs when it was seated.)"""
         self.plans[trial_id] = schedule
-        if self.readers.is_bound(trial_id) or trial_id not in self.homes:
+        name = self.book.home(trial_id)
+        if self.readers.is_bound(trial_id) or name is None:
             return
-        name = self.homes[trial_id]
         record = self.placement.buckets.get(name) if self.placement else None
         if record is not None and name in self.handles:
             try:
@@ -535,13 +520,11 @@ class ChorusPool:
         ``reason`` (e.g. ``"reaped"``) is recorded in the bucket's history."""
         self._start()
         self.scouts.release(member)
-        self.seats.pop(member, None)
-        self.failed.pop(member, None)
+        name = self.book.leave(member)
         self._unplaced.pop(member, None)
         future = self._waiting.pop(member, None)
         if future is not None and not future.done():
             future.set_exception(RuntimeError(f"member {member} left before it was placed"))
-        name = self.homes.pop(member, None)
         self.clients.pop(member, None)
         if reason is not None:
             self.history.note(name, reason, member)
@@ -559,10 +542,8 @@ class ChorusPool:
         """Bucket ``name`` says ``member`` no longer needs its slot: it
         ``"finished"`` (its results still drain from the bucket), or ``"failed"``
         or was ``"reaped"``. The slot goes to a waiting member."""
-        if reason != "finished":
-            self.homes.pop(member, None)
+        self.book.out(member, reason)
         if reason == "reaped":
-            self.seats.pop(member, None)  # gone: seating it again starts afresh
             self.history.note(name, reason, member)
         if self.placement is None or self.placement.bucket_of(member) != name:
             return
@@ -570,28 +551,20 @@ class ChorusPool:
         self._later_compact(name)
 
     def _later_compact(self, name: str) -> None:
-        # Later, not now: a reset_config leaves and rejoins at once, and a
-        # bucket must not shrink under the member that refills it.
-        record = self.placement.buckets.get(name) if self.placement else None
-        delay = record.key.options.compact_after_s if record is not None else 0.0
-        asyncio.get_running_loop().create_task(self._maybe_compact(name, delay))
+        # Later, not now: a bucket must not shrink under the member that refills it.
+        asyncio.get_running_loop().create_task(self._maybe_compact(name, compact_after_s(self.placement, name)))
 
     async def _maybe_compact(self, name: str, delay_s: float = 0.0) -> None:
         await asyncio.sleep(delay_s)
-        record = self.placement.buckets.get(name) if self.placement else None
         handle = self.handles.get(name)
-        if record is None or handle is None or not record.key.options.compact:
-            return
-        waiting = self.placement.waiting_for(record.key)
-        if not should_compact(record.capacity, len(record.members), waiting):
+        if handle is None or not compaction_due(self.placement, name):
             return
         try:
             capacity = await handle.compact.remote()
         except RayActorError:
             return
-        if capacity is not None and name in self.placement.buckets:
+        if compacted(self.placement, name, capacity):
             logger.info("pool: bucket %s compacted to %d", name, capacity)
-            self.placement.buckets[name].capacity = capacity
             self.history.compacted(name, capacity)
 
     async def bucket_failed(self, name: str) -> None:
@@ -608,29 +581,22 @@ class ChorusPool:
             asyncio.get_running_loop().create_task(self._close_if_idle(name))
 
     async def _close_if_idle(self, name: str) -> None:
-        record = self.placement.buckets.get(name)
-        if record is None:
+        # It stays in the placement until its members' trials read every result (see closing.py).
+        delay_s = idle_close_s(self.placement, name)
+        if delay_s is None:
             return
-        await asyncio.sleep(record.key.options.idle_close_s)
-        if name in self._idle:
+        await asyncio.sleep(delay_s)
+        if not self._idle.start(name):
             return
-        # Until its members' trials have read every result, the bucket's actor
-        # lives and holds its resources (its GPU), so it stays in the placement:
-        # counted against the budget, and open to a member of its key. Freed
-        # before, its budget opened a bucket that could not start, and the
-        # trials waiting for that one kept this one's readers from running (seen
-        # when a lost node's trials restarted: the sweep hung).
-        self._idle.add(name)
         try:
             while True:
-                record = self.placement.buckets.get(name)
-                if record is None or record.members:
-                    return  # its budget went to another key (that closes it), or it was refilled
+                if not stays_idle(self.placement, name):
+                    return
                 if await self._drained(name):
                     break
                 await asyncio.sleep(_DRAIN_POLL_S)
         finally:
-            self._idle.discard(name)
+            self._idle.end(name)
         _, update = self.placement.close(name)
         await self._apply(update)
         self._share_cores()
@@ -648,9 +614,8 @@ class ChorusPool:
     async def _close_when_drained(self, name: str) -> None:
         # A bucket whose slots are empty may still hold results its members'
         # trials have not read: it closes once they have.
-        if name in self._closing:
+        if not self._closing.start(name):
             return
-        self._closing.add(name)
         try:
             while name in self.handles:
                 try:
@@ -661,7 +626,7 @@ class ChorusPool:
                 await asyncio.sleep(_DRAIN_POLL_S)
             await self._close_actor(name)
         finally:
-            self._closing.discard(name)
+            self._closing.end(name)
 
     def _share_cores(self) -> None:
         """On a CPU-only machine with default bucket resources, the open buckets
@@ -711,10 +676,7 @@ class ChorusPool:
         self._events += 1
         self.handles.pop(name, None)
         self._stops.forget(name)
-        lost = [m for m, home in self.homes.items() if home == name]
-        for member in lost:
-            self.homes.pop(member, None)
-            self.seats.pop(member, None)
+        lost = self.book.bucket_lost(name)
         self.history.gone(name, died, lost)
         if self.placement is None or name not in self.placement.buckets:
             return
@@ -747,30 +709,11 @@ class ChorusPool:
         ``progress`` (changes whenever anything in the sweep moves: the pool's
         events and its buckets' iterations) and ``hopeless`` (the wait can
         never end: its bucket claims resources that no alive node has)."""
-        name = self.placement.bucket_of(member) if self.placement is not None else None
-        hopeless = False
-        if member in self.homes:
-            waits_for = f"nothing: member {member} is in bucket {self.homes[member]}"
-        elif name is not None:
-            claimed = bucket_actor_options(self._bucket_resources(self.placement.buckets[name].key.options))
-            claimed = {"GPU": claimed["num_gpus"], **claimed.get("resources", {})}
-            totals = [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
-            hopeless = not fits_a_node(claimed, totals)
-            holders = [f"{b} ({len(r.members)} members)" for b, r in self.placement.buckets.items()
-                       if b != name and b in self.handles]
-            waits_for = (f"bucket {name} to start: it claims {claimed}, "
-                         + ("which no alive node has" if hopeless else f"held now by {holders or 'nothing'}"))
-        elif self.scouts.is_held(member):
-            waits_for = (f"the cohort ChorusSearch seats with scout member {member} (placed alone after "
-                         f"{self.scouts.wait_s:.0f} s)")
-        elif self.placement is not None and self.placement.is_waiting(member):
-            key, ahead = self.placement.waiting_ahead(member)
-            await self._evict_idle(key)
-            buckets = [f"{b} ({len(r.members)}/{r.capacity})" for b, r in self.placement.buckets.items()]
-            waits_for = (f"a slot in a bucket of {key.model_name} ({ahead} member(s) queued before it; "
-                         f"{len(buckets)} of {self.placement.max_buckets} bucket(s) open: {buckets})")
-        else:
-            waits_for = f"member {member}, which the pool does not know"
+        wait = what_it_waits_for(member, self.book.home(member), self.placement, self.scouts.is_held(member))
+        if wait.key is not None:  # it waits for a slot: idle members of full buckets give theirs up
+            await self._evict_idle(wait.key)
+        waits_for, hopeless = word_wait(member, wait, self.placement, self.handles, self._bucket_resources,
+                                        _alive_nodes, self.scouts.wait_s)
         return {"waits_for": waits_for, "progress": self._events + await self._iterations(), "hopeless": hopeless}
 
     async def _evict_idle(self, key: GroupKey) -> None:
@@ -790,8 +733,7 @@ class ChorusPool:
             except RayActorError:
                 continue
             for member in evicted:
-                if self.homes.get(member) == name:
-                    self.homes.pop(member)
+                self.book.evicted(member, name)
                 if self.placement.bucket_of(member) == name:
                     await self._apply(self.placement.remove(member))
 
@@ -810,7 +752,7 @@ class ChorusPool:
     async def bucket_of(self, member: str):
         """``(bucket name, handle)`` of the bucket holding ``member`` (a member
         or a trial id), or ``None``."""
-        name = self.homes.get(self.readers.member_of(member))
+        name = self.book.home(self.readers.member_of(member))
         return None if name is None else (name, self.handles.get(name))
 
     async def free_slots(self, structural_key: Hashable) -> int:
@@ -826,7 +768,7 @@ class ChorusPool:
         runs (``node_id``, ``device``, ``requested_device``, ``gpu_ids``); and,
         read while it is open, wasted member-iterations, iterations and route."""
         out = {}
-        for name in self.history.names():
+        for name in self.history.names():  # a copy: a bucket may open while this awaits each one
             record = self.placement.buckets.get(name) if self.placement else None
             members = list(record.members) if record else []
             handle, live = self.handles.get(name), None
@@ -845,16 +787,20 @@ class ChorusPool:
             await self._close_actor(name)
 
 
-def _log_split(key: GroupKey, known: dict[GroupKey, GroupKey]) -> None:
-    """Say why a new structure of a model already seen gets buckets of its own
-    (docs/design.md D9): say, members whose activation differs."""
+def _log_split(key: GroupKey, other: GroupKey | None) -> None:
+    """Say why a new structure of a model already seen (``other``) gets buckets
+    of its own (docs/design.md D9): say, members whose activation differs."""
+    if other is None:
+        return
     from chorus_tune.stack import describe_split
 
-    for other in known:
-        if (other.task_id, other.options, other.model_name) == (key.task_id, key.options, key.model_name):
-            logger.info("pool: %s members of another structure get buckets of their own: %s", key.model_name,
-                        describe_split(other.structural_key, key.structural_key))
-            return
+    logger.info("pool: %s members of another structure get buckets of their own: %s", key.model_name,
+                describe_split(other.structural_key, key.structural_key))
+
+
+def _alive_nodes() -> list[dict[str, float]]:
+    """Each alive node's total resources."""
+    return [dict(n.get("Resources", {})) for n in ray.nodes() if n.get("Alive")]
 
 
 def _log_size(key: GroupKey, done: asyncio.Future) -> None:

@@ -1,0 +1,122 @@
+"""When the pool closes an empty bucket and compacts one (chorus_tune.tune.execution.closing), no Ray."""
+from chorus_tune.tune.execution.closing import (
+    Watches,
+    compact_after_s,
+    compacted,
+    compaction_due,
+    idle_close_s,
+    stays_idle,
+)
+from chorus_tune.tune.execution.grouping import GroupKey
+from chorus_tune.tune.execution.options import BucketOptions
+from chorus_tune.tune.execution.placement import Placement
+
+OPTIONS = BucketOptions(bucket_size=4, idle_close_s=7.0, compact_after_s=3.0)
+KEY = GroupKey("task", OPTIONS, "MLP", ("mlp",))
+
+
+def bucket_of(members, key=KEY, capacity=4, max_buckets=None):
+    """A placement with one bucket of ``key`` holding ``members``; its name."""
+    placement = Placement(max_buckets)
+    for member in members:
+        placement.request(member, key, capacity)
+    return placement, next(iter(placement.buckets))
+
+
+def test_an_idle_bucket_stays_open_for_its_options_idle_close_s():
+    placement, name = bucket_of(["m1"])
+    assert idle_close_s(placement, name) == 7.0
+
+
+def test_a_bucket_no_longer_placed_is_not_waited_for():
+    assert idle_close_s(Placement(), "chorus-bucket-1") is None
+
+
+def test_an_empty_bucket_stays_idle():
+    placement, name = bucket_of(["m1"])
+    placement.remove("m1")
+    assert stays_idle(placement, name)
+
+
+def test_a_refilled_bucket_no_longer_heads_for_closing():
+    placement, name = bucket_of(["m1"])
+    placement.remove("m1")
+    placement.request("m2", KEY, 4)
+    assert not stays_idle(placement, name)
+
+
+def test_a_bucket_whose_budget_went_to_another_key_no_longer_heads_for_closing():
+    placement, name = bucket_of(["m1"], max_buckets=1)
+    placement.request("o1", KEY._replace(structural_key=("other",)), 4)  # queued: no budget
+    placement.remove("m1")  # the empty bucket gives its budget up to o1's key
+    assert name not in placement.buckets and not stays_idle(placement, name)
+
+
+def test_a_bucket_is_watched_by_one_task_at_a_time():
+    watches = Watches()
+    assert watches.start("b") and not watches.start("b")
+
+
+def test_a_watch_that_ended_may_start_again():
+    watches = Watches()
+    watches.start("b")
+    watches.end("b")
+    assert watches.start("b")
+
+
+def test_buckets_are_watched_apart():
+    watches = Watches()
+    watches.start("b1")
+    assert watches.start("b2")
+
+
+def test_a_bucket_is_looked_at_for_compaction_its_compact_after_s_after_a_member_left():
+    placement, name = bucket_of(["m1"])
+    assert compact_after_s(placement, name) == 3.0
+
+
+def test_a_bucket_not_placed_is_looked_at_for_compaction_at_once():
+    assert compact_after_s(None, "b") == 0.0 and compact_after_s(Placement(), "b") == 0.0
+
+
+def test_a_bucket_at_half_its_slots_with_none_waiting_compacts():
+    placement, name = bucket_of(["m1", "m2"])
+    assert compaction_due(placement, name)
+
+
+def test_a_bucket_over_half_full_does_not_compact():
+    placement, name = bucket_of(["m1", "m2", "m3"])
+    assert not compaction_due(placement, name)
+
+
+def test_a_bucket_whose_key_has_members_waiting_does_not_compact():
+    placement, name = bucket_of(["m1", "m2"], max_buckets=1, capacity=2)
+    placement.request("m3", KEY, 2)  # queued: the bucket is full and the budget used
+    placement.buckets[name].capacity = 4  # now at half its slots, with m3 waiting for its key
+    assert placement.waiting_for(KEY) == 1 and not compaction_due(placement, name)
+
+
+def test_a_bucket_whose_options_forbid_compaction_does_not_compact():
+    placement, name = bucket_of(["m1"], key=KEY._replace(options=BucketOptions(bucket_size=4, compact=False)))
+    assert not compaction_due(placement, name)
+
+
+def test_a_bucket_not_placed_does_not_compact():
+    assert not compaction_due(None, "b") and not compaction_due(Placement(), "b")
+
+
+def test_a_compacted_bucket_has_the_capacity_it_compacted_to():
+    placement, name = bucket_of(["m1"])
+    assert compacted(placement, name, 1) and placement.buckets[name].capacity == 1
+
+
+def test_a_bucket_that_did_not_compact_keeps_its_capacity():
+    placement, name = bucket_of(["m1"])
+    assert not compacted(placement, name, None) and placement.buckets[name].capacity == 4
+
+
+def test_a_bucket_closed_while_it_compacted_is_not_recorded():
+    placement, name = bucket_of(["m1"])
+    placement.remove("m1")
+    placement.close(name)
+    assert not compacted(placement, name, 1)

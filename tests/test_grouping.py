@@ -1,0 +1,24 @@
+"""Who shares a bucket (chorus_tune.tune.execution.grouping), no Ray."""
+from chorus_tune.tune.execution.grouping import GroupKey, split_from
+
+KEY = GroupKey("task", "options", "MLP", ("relu",))
+
+
+def test_a_new_structure_of_a_model_seen_splits_from_it():
+    assert split_from(KEY._replace(structural_key=("tanh",)), [KEY]) == KEY
+
+
+def test_a_model_of_another_name_does_not_split_from_it():
+    assert split_from(KEY._replace(model_name="CNN", structural_key=("cnn",)), [KEY]) is None
+
+
+def test_a_structure_of_another_task_does_not_split_from_it():
+    assert split_from(KEY._replace(task_id="other", structural_key=("tanh",)), [KEY]) is None
+
+
+def test_a_structure_under_other_options_does_not_split_from_it():
+    assert split_from(KEY._replace(options="others", structural_key=("tanh",)), [KEY]) is None
+
+
+def test_a_first_key_splits_from_nothing():
+    assert split_from(KEY, []) is None
