@@ -16,7 +16,8 @@ import ray
 from ray import tune
 from ray.util.state import get_log, list_actors
 
-from chorus_tune.tune import ChorusTrainable, grafana
+from chorus_tune.tune import ChorusTrainable
+from chorus_tune.tune.observe import grafana
 
 from dashboard_support import free_port, ray_head
 from tune_support import digits_task, run_config
