@@ -56,16 +56,9 @@ def local_ray():
         ray.shutdown()
 
 
-@pytest.fixture
-def ray_address(local_ray) -> str:
-    """The shared Ray's address, for a script a test starts: a driver (a job)
-    of its own on the same instance, so it does not start Ray again."""
-    return _SHARED["gcs_address"]
-
-
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if "local_ray" in item.fixturenames or item.get_closest_marker("cluster") is not None:  # ray_address too
+        if "local_ray" in item.fixturenames or item.get_closest_marker("cluster") is not None:
             item.add_marker(pytest.mark.ray)
     # The modules on the shared Ray run one after another (in their own
     # order): a module with a Ray of its own between two of them would make
