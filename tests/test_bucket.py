@@ -9,7 +9,6 @@ from torch import nn
 
 import chorus_tune as ct
 from chorus_tune import reference
-from chorus_tune import route as route_module
 from chorus_tune.route import RouteReason
 
 from models import MaybeResidual, PairDataset, SmallCNN, cnn, digits, mlp, mlp_task, params_close, regression_task
@@ -162,12 +161,9 @@ def test_per_instance_behaviour_is_caught_and_runs_eager_correctly():
         assert_follows_reference(task, bucket, slot, config, histories[slot])
 
 
-def test_newcomer_that_breaks_vmap_is_caught_after_vmap_was_chosen(monkeypatch):
-    # The probe keeps the faster route; timed for real, eager may win on a
-    # loaded machine, and then no newcomer is ever probed. vmap is made the
-    # faster here, so the bucket is on vmap when the newcomer joins.
-    monkeypatch.setattr(route_module, "time_routes", lambda step, routes, sync: {
-        r: (0.5 if r == "vmap" else 1.0) for r in routes})
+def test_newcomer_that_breaks_vmap_is_caught_after_vmap_was_chosen(vmap_times_faster):
+    # The probe keeps the faster route: vmap is made the faster here, so the
+    # bucket is on vmap when the newcomer joins.
     task = ct.Task(lambda c: MaybeResidual(c["residual"]), digits(), batch_size=32, iteration_steps=5)
     bucket = ct.Bucket(task, 3)
     bucket.add(dict(residual=True, lr=0.05, seed=1))
