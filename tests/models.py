@@ -1,4 +1,4 @@
-"""Small models and data shared by the tests (digits: ships inside scikit-learn)."""
+"""Small models and data shared by the tests (digits: the copy chorus_tune ships, scikit-learn's set)."""
 from __future__ import annotations
 
 import torch
@@ -9,13 +9,16 @@ import chorus_tune as ct
 
 
 def digits(n_train: int = 1024, n_val: int = 256, images: bool = False):
-    from sklearn.datasets import load_digits
+    # The copy that ships in chorus_tune (test_packaging checks it is
+    # scikit-learn's), not sklearn.datasets: importing scikit-learn took 2 s of
+    # every bucket process's start, where these loaders run.
+    from chorus_tune.examples_data import digits_arrays
 
-    d = load_digits()
-    x = torch.tensor(d.data, dtype=torch.float32) / 16.0
+    data, target = digits_arrays()
+    x = torch.tensor(data, dtype=torch.float32) / 16.0
     if images:
         x = x.reshape(-1, 1, 8, 8)
-    y = torch.tensor(d.target, dtype=torch.long)
+    y = torch.tensor(target, dtype=torch.long)
     return (x[:n_train], y[:n_train]), (x[n_train:n_train + n_val], y[n_train:n_train + n_val])
 
 

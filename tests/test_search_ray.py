@@ -194,7 +194,7 @@ def test_a_seated_member_whose_trial_actor_dies_before_reading_is_reaped():
     actor = _TrialActor.remote()
     ray.get(actor.__ray_ready__.remote())
     ray.get(pool.reserve.remote("trial-orphan", trainable._task_id, None, {"lr": 0.1},
-                                trainable.bucket_options(), actor))
+                                trainable.bucket_options(), actor._actor_id.hex()))
     ray.kill(actor)
     deadline = time.monotonic() + 30
     while ray.get(pool.bucket_of.remote("m-orphan")) is not None and time.monotonic() < deadline:

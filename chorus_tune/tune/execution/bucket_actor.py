@@ -30,6 +30,8 @@ from .. import result_keys as rk
 from ..observe.actor_log import log_to_actor_stdout
 from ..observe.metrics import BucketMetrics
 from ..trial import state_io
+from . import liveness
+from .liveness import ActorId
 from .members import MemberBook, Phase, Plan, StopRecord
 from .options import BucketOptions, Join
 from .resources import bucket_threads, pick_device
@@ -111,7 +113,7 @@ class ChorusBucket:
                            name, ",".join(self.choice.gpu_ids), self.choice.requested)
         self.core = Bucket(task, options.bucket_size, device=self.device, route=options.route)
         self.book = MemberBook(max_queue=_MAX_QUEUE, gather_s=options.gather_s)
-        self.clients: dict[str, Any] = {}
+        self.clients: dict[str, ActorId | None] = {}  # member -> the id of the trial actor reading it
         self.retired: OrderedDict[str, dict] = OrderedDict()
         self.reaped: list[str] = []
         self.ever: list[str] = []
@@ -160,7 +162,7 @@ class ChorusBucket:
             self._wake.set()
 
     # ----- membership -----------------------------------------------------------------------------
-    async def expect(self, member: str, client: Any = None, join: Join | None = None) -> str:
+    async def expect(self, member: str, client: ActorId | None = None, join: Join | None = None) -> str:
         """Hold a place for ``member``. With ``join`` (a member seated by
         ChorusSearch) it is built now, else on its trial's first request.
         Idempotent."""
@@ -180,8 +182,8 @@ class ChorusBucket:
             self._start_build(member, join)
         return self.name
 
-    async def watch(self, member: str, client: Any) -> None:
-        """``client`` (a trial actor) reads ``member`` now: if it dies, the
+    async def watch(self, member: str, client: ActorId | None) -> None:
+        """``client`` (a trial actor's id) reads ``member`` now: if it dies, the
         reaper drops the member. The pool says so when a trial is bound to a
         member seated before it, which it may never read (its actor can die
         first), so the member would hold its slot for good."""
@@ -346,7 +348,8 @@ class ChorusBucket:
             self._pool.member_out.remote(self.name, member, reason)
 
     # ----- what trials read -----------------------------------------------------------------------
-    async def next_result(self, member: str, join: Join | None = None, client: Any = None) -> dict[str, Any]:
+    async def next_result(self, member: str, join: Join | None = None,
+                          client: ActorId | None = None) -> dict[str, Any]:
         """``member``'s next result: at once if computed, else once it is.
 
         ``join`` is given by a trial on its first request: the member is built
@@ -521,14 +524,15 @@ class ChorusBucket:
     async def _reap_loop(self) -> None:
         while not self._closed.is_set():
             await asyncio.sleep(self.options.reap_interval_s)
-            if self._pool is not None and await self._client_dead(self._pool):
+            if self._pool is not None and await self._pool_dead():
                 await self._orphaned()
                 return
             try:
-                for member, client in list(self.clients.items()):
-                    if member in self._waiters or client is None:
-                        continue  # a trial waiting for its result is alive
-                    if await self._client_dead(client) and self.clients.get(member) is client:
+                watched = {member: client for member, client in self.clients.items()
+                           if client is not None and member not in self._waiters}  # a waiting trial is alive
+                dead = await asyncio.to_thread(liveness.dead_among, set(watched.values()))
+                for member, client in watched.items():
+                    if client in dead and self.clients.get(member) == client and member not in self._waiters:
                         # Also after a normal stop: Tune ends the actor, and its
                         # trial's leave may reach us after the reaper looked.
                         logger.info("%s: dropping %s: the trial actor reading it is gone", self.name, member)
@@ -549,9 +553,9 @@ class ChorusBucket:
         await asyncio.sleep(0.5)  # let the answers to waiting trials leave before the process ends
         ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
-    async def _client_dead(self, client: Any) -> bool:
+    async def _pool_dead(self) -> bool:
         try:
-            ref = client.__ray_ready__.remote()
+            ref = self._pool.__ray_ready__.remote()
             await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout=max(1.0, self.options.reap_interval_s))
         except RayActorError:
             return True

@@ -178,7 +178,7 @@ class ChorusPool:
         # Every group key seen, to itself. Read its fields by name (key.options);
         # the map only keeps index reads of older code working.
         self.key_info: dict[GroupKey, GroupKey] = {}
-        self.clients: dict[str, Any] = {}
+        self.clients: dict[str, str | None] = {}  # trial or member -> its trial actor's id (liveness.py)
         self.history = BucketHistory()
         self.book = SeatBook()  # seated members, those that cannot be built, and each member's home bucket
         self.readers = Readers()  # trial id -> the member it reads (or the seated one it is bound to)
@@ -313,7 +313,7 @@ class ChorusPool:
             await self._realize_waiting(placed)
 
     async def reserve(self, trial_id: str, task_id_: str, task_blob: bytes | None, config: dict,
-                      options: BucketOptions, client: Any = None, seed: int | None = None):
+                      options: BucketOptions, client: str | None = None, seed: int | None = None):
         """Where ``trial_id`` reads its results: a :class:`Reservation`, or
         ``NEED_TASK`` when the pool has not seen this task yet (call again with
         its bytes). A trial bound to a seated member reads that member; any

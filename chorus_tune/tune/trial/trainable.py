@@ -22,6 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.tune import Trainable
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
+from ..execution.liveness import current_actor_id
 from ..execution.options import BucketOptions, Join, member_seed
 from ..execution.pool import NEED_TASK, Reservation, call_pool, get_pool, pool_lost, task_id
 from ..execution.resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
@@ -251,11 +252,9 @@ class ChorusTrainable(Trainable):
         return {k: v for k, v in config.items() if not k.startswith("__")}
 
     @staticmethod
-    def _client():
-        try:
-            return ray.get_runtime_context().current_actor
-        except Exception:  # noqa: BLE001 - not in an actor (a local test): no liveness checks
-            return None
+    def _client() -> str | None:
+        # The actor's id, not its handle: see execution/liveness.py.
+        return current_actor_id()
 
     def _reserve(self, config: dict) -> None:
         config = self._clean(config)
