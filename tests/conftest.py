@@ -57,6 +57,24 @@ def local_ray():
 
 
 @pytest.fixture
+def script_ray_env(local_ray) -> dict[str, str]:
+    """What a script a test starts needs in its environment to join the shared
+    Ray as a driver (a job) of its own, as a user's script joins a running
+    one, instead of starting Ray again (about 6 s of a 20 s example run here):
+    its address, and the instance's auth token where the script's ``HOME``
+    differs from this process's (a new local Ray writes its token to
+    ``~/.ray/auth_token`` and requires it from every driver)."""
+    env = {"RAY_ADDRESS": _SHARED["gcs_address"]}
+    for name in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        if name in os.environ:
+            env[name] = os.environ[name]
+    token = os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    if not {"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & set(env) and os.path.exists(token):
+        env["RAY_AUTH_TOKEN_PATH"] = token
+    return env
+
+
+@pytest.fixture
 def vmap_times_faster(monkeypatch):
     """The route probe's timing says vmap is the faster route. Timed for real,
     eager may win on a loaded machine, and a bucket on eager never probes a

@@ -212,10 +212,9 @@ def test_configs_digest_sees_the_multiset_not_the_order():
 
 
 # ----- end to end ---------------------------------------------------------------------------------
-@pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
-def test_vs_tune_runs_every_way_and_writes_json_and_plot(tmp_path):
+def test_vs_tune_runs_every_way_and_writes_json_and_plot(tmp_path, script_ray_env):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHONUNBUFFERED": "1",
-           "RAY_ADDRESS": "local"}  # a Ray of its own: ray.init() would join a cluster an earlier test left
+           **script_ray_env}  # the suite's Ray (conftest.py)
     done = subprocess.run(
         [sys.executable, str(BENCHMARKS / "vs_tune.py"), "--workload", "digits-mlp64", "--trials", "4",
          "--epochs", "2", "--bucket-size", "4", "--repeats", "1", "--warmup", "0", "--out", str(tmp_path),

@@ -8,8 +8,6 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
-
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
@@ -19,9 +17,9 @@ EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
     ("cnn_batchnorm.py", "load_model -> DigitsCNN, eval mode: True"),
     ("regression_mae.py", "best val_mae"),
 ])
-def test_example_runs_in_fast_mode(script, expected, tmp_path):
+def test_example_runs_in_fast_mode(script, expected, tmp_path, script_ray_env):
     env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "RAY_DEDUP_LOGS": "0", "PYTHONUNBUFFERED": "1",
-           "RAY_ADDRESS": "local"}  # a Ray of its own: ray.init() would join a cluster an earlier test left
+           **script_ray_env}  # the suite's Ray (conftest.py)
     done = subprocess.run([sys.executable, str(EXAMPLES / script), "--fast"], capture_output=True, text=True,
                           timeout=300, env=env, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

@@ -5,18 +5,14 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_quickstart_fast_prints_best_config_accuracy_and_fusion():
+def test_quickstart_fast_prints_best_config_accuracy_and_fusion(script_ray_env):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py"), "--fast"],
                          capture_output=True, text=True, timeout=240, cwd=ROOT,
-                         # A Ray of its own: ray.init() would join a cluster an earlier test left.
-                         env={**os.environ, "RAY_DEDUP_LOGS": "1", "RAY_ADDRESS": "local"})
+                         # The suite's Ray (conftest.py), as `make demo` would join a running one.
+                         env={**os.environ, "RAY_DEDUP_LOGS": "1", **script_ray_env})
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     assert "6 trials in" in text and "(0 errors)" in text

@@ -5,16 +5,23 @@ import os
 import time
 
 import pytest
+import ray
 import torch
 from ray import tune
 
 from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats, load_model, retire_trial
 from chorus_tune.tune import result_keys as rk
+from chorus_tune.tune.execution.pool import NAMESPACE
 
-from tune_support import digits_task, history, mlp, picky_mlp, run_config
+from tune_support import digits_task, history, imported, mlp, picky_mlp, run_config
 
 pytestmark = pytest.mark.usefixtures("local_ray")
+
+# Each Tune run costs seconds of Tune's own start-up on this 2-core machine
+# (a trial actor starts in about 2.5 s): the tests that only read a plain sweep
+# share one.
+OWN_MEMBER_LRS = (0.05, 0.1, 0.2, 5.0)  # picky_mlp refuses lr=5.0
 
 
 def _fit(trainable, param_space, tmp_path, iterations, **tune_kwargs):
@@ -22,6 +29,59 @@ def _fit(trainable, param_space, tmp_path, iterations, **tune_kwargs):
                        tune_config=tune.TuneConfig(metric="val_loss", mode="min", **tune_kwargs),
                        run_config=run_config(tmp_path, iterations))
     return tuner.fit()
+
+
+def _processes(prefix: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(prefix.encode()):
+                        pids.append(int(entry))
+            except OSError:
+                continue
+    return pids
+
+
+def _maps_torch(pid: int) -> bool:
+    with open(f"/proc/{pid}/maps") as f:
+        return "libtorch" in f.read()
+
+
+class _Inspect(tune.Callback):
+    """At the first result: which trial and bucket processes have torch mapped
+    (``None`` where there is no /proc), and which of ``ray.tune``, ``sklearn``
+    the bucket that sent it has imported."""
+
+    torch_maps = None
+    bucket_imports = None
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        if self.bucket_imports is not None:
+            return
+        if os.path.exists("/proc/self/maps"):
+            self.torch_maps = ({p: _maps_torch(p) for p in _processes("ray::ChorusTrainable")},
+                               {p: _maps_torch(p) for p in _processes("ray::ChorusBucket")})
+        bucket = ray.get_actor(result[rk.BUCKET], namespace=NAMESPACE)
+        self.bucket_imports = ray.get(bucket.__ray_call__.remote(imported, ("ray.tune", "sklearn")))
+
+
+@pytest.fixture(scope="module")
+def own_member_sweep(local_ray, tmp_path_factory):
+    """Tune's default search (each trial builds a member of its own), no seed
+    in the config, one config the model factory refuses; 2 iterations."""
+    task = digits_task(model=picky_mlp)
+    trainable = ChorusTrainable.for_task(task, bucket_size=4)
+    inspect = _Inspect()
+    tuner = tune.Tuner(trainable, param_space={"lr": tune.grid_search(list(OWN_MEMBER_LRS))},
+                       tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+                       run_config=run_config(tmp_path_factory.mktemp("own"), 2, callbacks=[inspect]))
+    return task, tuner.fit(), inspect
+
+
+def _finished(results):
+    return [r for r in results if r.error is None]
 
 
 def test_grid_matches_reference_per_trial_and_iteration(tmp_path):
@@ -47,35 +107,6 @@ def test_grid_matches_reference_per_trial_and_iteration(tmp_path):
     assert first_two == {8}
 
 
-def test_every_result_carries_the_chorus_fields(tmp_path):
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4)
-    results = _fit(trainable, {"lr": tune.grid_search([0.05, 0.1, 0.2])}, tmp_path, iterations=2)
-    for result in results:
-        frame = result.metrics_dataframe
-        for key in (rk.MEMBER, rk.BUCKET, rk.SLOT, rk.ROUTE, rk.LIVE, rk.CAPACITY, rk.SEED, rk.COMPACTIONS,
-                    rk.AHEAD, rk.WASTED):
-            assert key in frame, key
-        m = result.metrics
-        assert m[rk.MEMBER] == m["trial_id"]  # no ChorusSearch: each trial has a member of its own
-        assert m[rk.BUCKET].startswith("chorus-bucket-") and m[rk.ROUTE] in ("vmap", "eager")
-        assert isinstance(m[rk.SLOT], int) and isinstance(m[rk.SEED], int)
-        assert 1 <= m[rk.LIVE] <= 3 and m[rk.CAPACITY] == 4
-        # O(K) per result: nothing names the bucket-mates.
-        assert not any(k.startswith("chorus/cohort") and k not in (rk.COHORT_SIZE, rk.COHORT_RANK) for k in frame)
-
-
-def test_seed_without_config_seed_is_derived_from_trial_id_and_reproducible(tmp_path):
-    task = digits_task()
-    trainable = ChorusTrainable.for_task(task, bucket_size=4)
-    results = _fit(trainable, {"lr": tune.grid_search([0.05, 0.1])}, tmp_path, iterations=2)
-    seeds = {r.metrics["chorus/seed"] for r in results}
-    assert len(seeds) == 2
-    for result in results:
-        expected, _ = reference.train(task, {"lr": result.config["lr"]}, seed=result.metrics["chorus/seed"],
-                                      iterations=2)
-        assert history(result) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)
-
-
 def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_path):
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=3, max_buckets=4)
     space = {"width": tune.grid_search([16, 24]), "lr": tune.grid_search([0.05, 0.1, 0.2, 0.3])}
@@ -94,29 +125,6 @@ def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_pat
     # Members seated while the first bucket of their width had room went into it.
     assert all(len(s["trials"]) >= 3 for s in first_of_width.values())
     assert max(r.metrics["chorus/live"] for r in results) <= 3
-
-
-def test_load_model_returns_users_module_with_trained_weights(tmp_path):
-    task = digits_task()
-    trainable = ChorusTrainable.for_task(task, bucket_size=2)
-    results = _fit(trainable, {"lr": tune.grid_search([0.1, 0.2]), "seed": 3}, tmp_path, iterations=2)
-    best = results.get_best_result()
-    model = load_model(best.checkpoint)
-    assert type(model) is type(mlp({}))
-    _, ref_model = reference.train(task, {"lr": best.config["lr"], "seed": 3}, seed=3, iterations=2)
-    for (name, p), (_, q) in zip(model.state_dict().items(), ref_model.state_dict().items()):
-        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
-    assert not model.training
-
-
-def test_model_factory_error_fails_only_that_trial_with_its_message(tmp_path):
-    trainable = ChorusTrainable.for_task(digits_task(model=picky_mlp), bucket_size=4)
-    results = _fit(trainable, {"lr": tune.grid_search([0.05, 5.0, 0.1])}, tmp_path, iterations=2)
-    errors = [r for r in results if r.error is not None]
-    assert len(errors) == 1 and errors[0].config["lr"] == 5.0
-    assert "picky_mlp refuses lr=5.0" in str(errors[0].error)
-    finished = [r for r in results if r.error is None]
-    assert len(finished) == 2 and all(r.metrics["training_iteration"] == 2 for r in finished)
 
 
 def test_reuse_actors_resets_into_new_members(tmp_path):
@@ -212,39 +220,62 @@ def test_bucket_compacts_as_members_finish_and_the_survivor_stays_on_its_traject
     assert history(survivor) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)
 
 
-def _processes(prefix: str) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().startswith(prefix.encode()):
-                        pids.append(int(entry))
-            except OSError:
-                continue
-    return pids
+def test_every_result_carries_the_chorus_fields(own_member_sweep):
+    _, results, _ = own_member_sweep
+    for result in _finished(results):
+        frame = result.metrics_dataframe
+        for key in (rk.MEMBER, rk.BUCKET, rk.SLOT, rk.ROUTE, rk.LIVE, rk.CAPACITY, rk.SEED, rk.COMPACTIONS,
+                    rk.AHEAD, rk.WASTED):
+            assert key in frame, key
+        m = result.metrics
+        assert m[rk.MEMBER] == m["trial_id"]  # no ChorusSearch: each trial has a member of its own
+        assert m[rk.BUCKET].startswith("chorus-bucket-") and m[rk.ROUTE] in ("vmap", "eager")
+        assert isinstance(m[rk.SLOT], int) and isinstance(m[rk.SEED], int)
+        assert 1 <= m[rk.LIVE] <= 3 and m[rk.CAPACITY] == 4
+        # O(K) per result: nothing names the bucket-mates.
+        assert not any(k.startswith("chorus/cohort") and k not in (rk.COHORT_SIZE, rk.COHORT_RANK) for k in frame)
 
 
-def _maps_torch(pid: int) -> bool:
-    with open(f"/proc/{pid}/maps") as f:
-        return "libtorch" in f.read()
+def test_seed_without_config_seed_is_derived_from_trial_id_and_reproducible(own_member_sweep):
+    task, results, _ = own_member_sweep
+    finished = _finished(results)
+    seeds = {r.metrics["chorus/seed"] for r in finished}
+    assert len(seeds) == len(finished) == 3
+    for result in finished:
+        expected, _ = reference.train(task, {"lr": result.config["lr"]}, seed=result.metrics["chorus/seed"],
+                                      iterations=2)
+        assert history(result) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5)
+
+
+def test_load_model_returns_users_module_with_trained_weights(own_member_sweep):
+    task, results, _ = own_member_sweep
+    best = results.get_best_result()
+    model = load_model(best.checkpoint)
+    assert type(model) is type(mlp({}))
+    seed = best.metrics["chorus/seed"]
+    _, ref_model = reference.train(task, {"lr": best.config["lr"]}, seed=seed, iterations=2)
+    for (name, p), (_, q) in zip(model.state_dict().items(), ref_model.state_dict().items()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    assert not model.training
+
+
+def test_model_factory_error_fails_only_that_trial_with_its_message(own_member_sweep):
+    _, results, _ = own_member_sweep
+    errors = [r for r in results if r.error is not None]
+    assert len(errors) == 1 and errors[0].config["lr"] == 5.0
+    assert "picky_mlp refuses lr=5.0" in str(errors[0].error)
+    finished = _finished(results)
+    assert len(finished) == 3 and all(r.metrics["training_iteration"] == 2 for r in finished)
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads /proc")
-def test_trial_actors_load_no_torch_while_the_bucket_does(tmp_path):
-    class Inspect(tune.Callback):
-        seen = None
-
-        def on_trial_result(self, iteration, trials, trial, result, **info):
-            if self.seen is None:
-                self.seen = ({p: _maps_torch(p) for p in _processes("ray::ChorusTrainable")},
-                             {p: _maps_torch(p) for p in _processes("ray::ChorusBucket")})
-
-    inspect = Inspect()
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2)
-    tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.1, 0.2])},
-               tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
-               run_config=run_config(tmp_path, 1, callbacks=[inspect])).fit()
-    trials, buckets = inspect.seen
+def test_trial_actors_load_no_torch_while_the_bucket_does(own_member_sweep):
+    trials, buckets = own_member_sweep[2].torch_maps
     assert trials and not any(trials.values())
     assert buckets and all(buckets.values())
+
+
+def test_a_bucket_process_imports_neither_ray_tune_nor_scikit_learn(own_member_sweep):
+    # Trials give the bucket their actor's id, not their handle (whose class
+    # would import ray.tune there), and the tests' data loader reads chorus_tune's copy of digits.
+    assert own_member_sweep[2].bucket_imports == {"ray.tune": False, "sklearn": False}

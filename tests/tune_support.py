@@ -32,6 +32,11 @@ def picky_mlp(config: dict) -> nn.Module:
     return mlp(config)
 
 
+def imported(actor, modules) -> dict[str, bool]:
+    """For ``__ray_call__`` on an actor: which of ``modules`` its process has imported."""
+    return {name: name in sys.modules for name in modules}
+
+
 def digits_task(model=mlp, **kwargs) -> Task:
     return Task(model=model, data=digits, optimizer=kwargs.pop("optimizer", "sgd"),
                 batch_size=kwargs.pop("batch_size", 64), **kwargs)
