@@ -37,7 +37,9 @@ def test_on_a_plain_trainable_it_decides_what_stock_asha_decides_in_the_same_ord
     tuner = tune.Tuner(
         _noisy,
         param_space={"q": tune.grid_search([0.0, 0.5, 1.0, 1.5]), "seed": tune.grid_search([1, 2])},
-        tune_config=tune.TuneConfig(metric="score", mode="max",
+        # reuse_actors: the decisions are compared on the recorded events; a
+        # fresh actor per trial only costs about 2 CPU-s of imports each.
+        tune_config=tune.TuneConfig(metric="score", mode="max", reuse_actors=True,
                                     scheduler=ChorusASHA(max_t=8, reduction_factor=2)),
         run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0, callbacks=[recorder]),
     )
