@@ -47,7 +47,11 @@ def actor_state(actor_id: ActorId) -> str | None:
 
 def is_dead(actor_id: ActorId) -> bool:
     """Whether the GCS knows the actor is dead. Unknown or unreachable is not dead:
-    the reaper then looks again at its next round."""
+    the reaper then looks again at its next round. An actor the GCS no longer
+    lists (it keeps the last 100,000 dead ones by default) is not taken for dead
+    either: reaping a live member would lose its state, while a dead trial's
+    member that is never reaped gives its slot up once a member waits for one
+    (``waits.EVICT_IDLE_S``)."""
     try:
         return actor_state(actor_id) == "DEAD"
     except Exception:  # noqa: BLE001 - the GCS busy or unreachable for now: not known dead
