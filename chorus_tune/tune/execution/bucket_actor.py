@@ -532,6 +532,8 @@ class ChorusBucket:
                            if client is not None and member not in self._waiters}  # a waiting trial is alive
                 dead = await asyncio.to_thread(liveness.dead_among, set(watched.values()))
                 for member, client in watched.items():
+                    # Looked at again after the lookup: the member may have a new
+                    # reader by now, or its trial may be waiting for a result (alive).
                     if client in dead and self.clients.get(member) == client and member not in self._waiters:
                         # Also after a normal stop: Tune ends the actor, and its
                         # trial's leave may reach us after the reaper looked.

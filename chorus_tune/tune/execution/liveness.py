@@ -14,6 +14,8 @@ import logging
 
 import ray
 
+from .waits import EVICT_IDLE_S
+
 logger = logging.getLogger(__name__)
 
 ActorId = str  # the hex id, as ``ray.get_runtime_context().get_actor_id()`` gives it
@@ -70,4 +72,5 @@ def _warn_once() -> None:
     if not _WARNED:
         _WARNED.append(True)
         logger.warning("this Ray has no ray._private.state.actors: members of dead trial actors are "
-                       "not reaped (their slots free only when the bucket closes)")
+                       "not reaped (a slot of one frees once a member waits for it, after %.0f s idle)",
+                       EVICT_IDLE_S)

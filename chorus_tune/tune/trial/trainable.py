@@ -194,7 +194,7 @@ class ChorusTrainable(Trainable):
             join = Join(config=self._clean(self.config), seed=self._seed, state=self._pending_state,
                         plan=self._plan)
         try:
-            result = ray.get(self._bucket.next_result.remote(self._member, join, self._client()),
+            result = ray.get(self._bucket.next_result.remote(self._member, join, current_actor_id()),
                              timeout=self.result_timeout_s)
         except RayActorError as exc:
             self._lost_bucket(exc)
@@ -251,11 +251,6 @@ class ChorusTrainable(Trainable):
     def _clean(config: dict) -> dict:
         return {k: v for k, v in config.items() if not k.startswith("__")}
 
-    @staticmethod
-    def _client() -> str | None:
-        # The actor's id, not its handle: see execution/liveness.py.
-        return current_actor_id()
-
     def _reserve(self, config: dict) -> None:
         config = self._clean(config)
         self._unreserved = False
@@ -265,7 +260,7 @@ class ChorusTrainable(Trainable):
         trial = self.trial_id
         try:
             seed = member_seed(config, trial)
-            args = (trial, self._task_id, None, config, options, self._client(), seed)
+            args = (trial, self._task_id, None, config, options, current_actor_id(), seed)
             # A pool that died is made anew: this is a fresh reservation anyway.
             reply = call_pool("reserve", *args)
             if reply == NEED_TASK:
