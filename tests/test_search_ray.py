@@ -145,7 +145,7 @@ def test_seating_again_keeps_a_member_a_trial_already_reads():
     assert ray.get(pool.bind.remote("trial-kept", ["m-kept"])) == "m-kept"
     reservation = ray.get(pool.reserve.remote("trial-kept", trainable._task_id, None, {"lr": 0.1},
                                               trainable.bucket_options()))
-    name, bucket = ray.get(pool.await_placement.remote(reservation.member))
+    name, bucket = ray.get(pool.await_placement.remote(reservation.member), timeout=60)
     first = ray.get(bucket.next_result.remote("m-kept", Join(config={"lr": 0.1}, seed=7)), timeout=60)
 
     assert _seat_one(pool, trainable, "m-kept", 0.1) == "seated"
@@ -166,14 +166,37 @@ def test_a_member_that_left_is_seated_again_afresh():
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1)
     pool = get_pool(create=True)
     assert _seat_one(pool, trainable, "m-fresh", 0.1) in ("seated", "queued")
-    name, bucket = ray.get(pool.await_placement.remote("m-fresh"))
+    name, bucket = ray.get(pool.await_placement.remote("m-fresh"), timeout=60)
     ray.get(bucket.next_result.remote("m-fresh", Join(config={"lr": 0.1}, seed=7)), timeout=60)
     ray.get(pool.leave.remote("m-fresh"))
 
     assert _seat_one(pool, trainable, "m-fresh", 0.1) in ("seated", "queued")
-    name, bucket = ray.get(pool.await_placement.remote("m-fresh"))
+    name, bucket = ray.get(pool.await_placement.remote("m-fresh"), timeout=60)
     assert ray.get(bucket.next_result.remote("m-fresh"), timeout=60)["iteration"] == 1
     ray.get(pool.leave.remote("m-fresh"))
+
+
+def test_a_member_that_leaves_while_its_new_bucket_starts_is_not_trained_there():
+    # A new bucket's actor takes seconds to start (it imports torch); a leave
+    # in that window found no home to tell, and the bucket then trained the
+    # member, unread, for good, and never closed: it held the bucket budget.
+    import time
+
+    from chorus_tune.tune import ChorusTrainable
+    from chorus_tune.tune.execution.pool import get_pool
+
+    from tune_support import digits_task
+
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=8, idle_close_s=0.5)
+    pool = get_pool(create=True)
+    assert _seat_one(pool, trainable, "m-left-early", 0.1) == "seated"  # placed in a bucket now starting
+    ray.get(pool.leave.remote("m-left-early"))
+    stats = ray.get(pool.stats.remote())
+    (name,) = [n for n, s in stats.items() if "m-left-early" in s["trials"]]
+    deadline = time.monotonic() + 60
+    while not ray.get(pool.stats.remote())[name]["closed"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.get(pool.stats.remote())[name]["closed"], f"bucket {name} still open: it trains the member that left"
 
 
 @ray.remote(num_cpus=0)
@@ -192,7 +215,7 @@ def test_a_seated_member_whose_trial_actor_dies_before_reading_is_reaped():
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1, reap_interval_s=0.2)
     pool = get_pool(create=True)
     _seat_one(pool, trainable, "m-orphan", 0.1)
-    ray.get(pool.await_placement.remote("m-orphan"))
+    ray.get(pool.await_placement.remote("m-orphan"), timeout=60)
     ray.get(pool.bind.remote("trial-orphan", ["m-orphan"]))
     actor = _TrialActor.remote()
     ray.get(actor.__ray_ready__.remote())

@@ -20,6 +20,7 @@ resources are (a GPU on any node); the pool itself lives on the head node
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import threading
@@ -412,9 +413,10 @@ class ChorusPool:
         if counts is not None and name in self.handles:
             self.handles[name].stops_elsewhere.remote(*counts)
 
-    async def _realize(self, placed: Placed) -> str:
+    async def _realize(self, placed: Placed) -> str | None:
         """Make a placement real: create the bucket actor if new, and have it
-        expect the member (and build it now, when it is seated)."""
+        expect the member (and build it now, when it is seated). Its bucket's
+        name; ``None`` when the member left meanwhile (nobody waits for it)."""
         name = placed.bucket
         if placed.opened or name not in self.handles:
             record = self.placement.buckets[name]
@@ -432,7 +434,18 @@ class ChorusPool:
             self.history.opened(name, model_name, record.capacity, record.ever, fit)
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
         member = placed.trial_id
-        await self.handles[name].expect.remote(member, self.clients.get(member), self.book.join_of(member))
+        handle = self.handles[name]
+        await handle.expect.remote(member, self.clients.get(member), self.book.join_of(member))
+        if self.placement.bucket_of(member) != name:
+            # It left while the bucket was being told (a new bucket's actor
+            # takes seconds to start): its leave found no home to tell, so the
+            # bucket would train it, unread, for good, and never drain. Seen as
+            # a restore in one driver re-seated a member its restarted trial
+            # no longer read: the idle bucket held the bucket budget and the
+            # next run's trials waited for it.
+            with contextlib.suppress(RayActorError):
+                await handle.leave.remote(member, keep_state=False)
+            return None
         # Known as its home only once the bucket expects it: a trial that asks
         # the bucket before then would find no such member there.
         self.book.house(member, name)
