@@ -58,10 +58,11 @@ def test_a_sweep_runs_buckets_on_both_workers_at_once_and_every_trial_follows_th
     data_log = tempfile.mkdtemp(dir=tmp_path)
     watch = OpenBuckets(nodes=2)
     with never_hangs():
-        results = sweep(str(tmp_path / "runs"), trials=32, bucket_size=8, iterations=3, callbacks=[watch],
+        # 16 trials in buckets of 4: one bucket per declared GPU, as 32 in buckets of 8 (half the trial actors).
+        results = sweep(str(tmp_path / "runs"), trials=16, bucket_size=4, iterations=3, callbacks=[watch],
                         data_log=data_log)
 
-    assert len(results) == 32 and not results.errors
+    assert len(results) == 16 and not results.errors
     for result in results:
         assert_on_reference(result, iterations=3)
     ours = {r.metrics["chorus/bucket"] for r in results}
@@ -157,7 +158,8 @@ def test_a_lost_node_loses_only_its_buckets_and_their_trials_resume_on_the_other
     cluster, workers = fake
     remover = RemoveANodeMidSweep(cluster, workers)
     with never_hangs():
-        results = sweep(str(tmp_path / "runs"), trials=16, bucket_size=4, iterations=NODE_LOSS_ITERATIONS,
+        # Buckets of 2: the four GPUs' buckets hold the 8 trials, two of them on the node removed.
+        results = sweep(str(tmp_path / "runs"), trials=8, bucket_size=2, iterations=NODE_LOSS_ITERATIONS,
                         callbacks=[remover], failure_config=tune.FailureConfig(max_failures=3),
                         checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1))
 
@@ -165,7 +167,7 @@ def test_a_lost_node_loses_only_its_buckets_and_their_trials_resume_on_the_other
     survivor = next(w.node_id for w in workers if w.node_id != remover.removed)
     # The ResultGrid is complete, and every trial is on its reference trajectory
     # (a resumed member's own iteration count goes on from its checkpoint's).
-    assert len(results) == 16 and not results.errors
+    assert len(results) == 8 and not results.errors
     for result in results:
         assert_on_reference(result, NODE_LOSS_ITERATIONS)
 

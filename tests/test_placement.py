@@ -35,6 +35,30 @@ def test_over_budget_trial_waits_then_takes_the_budget_of_an_emptied_bucket():
     assert [(x.trial_id, x.opened) for x in update.placed] == [("t2", True)]
 
 
+def test_a_request_over_budget_takes_the_budget_of_an_idle_bucket_of_another_key_at_once():
+    p = Placement(max_buckets=1)
+    p.request("t1", "k1", 2)
+    p.remove("t1")  # idle: open for a member of k1, nobody waiting
+    placed = p.request("t2", "k2", 2)
+    assert (placed.bucket, placed.opened, placed.replaces) == ("chorus-bucket-2", True, "chorus-bucket-1")
+    assert list(p.buckets) == ["chorus-bucket-2"] and not p.is_waiting("t2")
+
+
+def test_a_request_over_budget_waits_while_every_bucket_has_members():
+    p = Placement(max_buckets=1)
+    p.request("t1", "k1", 2)
+    assert p.request("t2", "k2", 2) is None and p.is_waiting("t2")
+    assert list(p.buckets) == ["chorus-bucket-1"]
+
+
+def test_a_request_within_budget_opens_a_bucket_and_leaves_the_idle_one_open():
+    p = Placement(max_buckets=2)
+    p.request("t1", "k1", 2)
+    p.remove("t1")
+    placed = p.request("t2", "k2", 2)
+    assert placed.replaces is None and list(p.buckets) == ["chorus-bucket-1", "chorus-bucket-2"]
+
+
 def test_empty_bucket_with_no_one_waiting_stays_open_as_idle():
     p = Placement()
     p.request("t1", "k", 2)

@@ -140,7 +140,7 @@ def test_seating_again_keeps_a_member_a_trial_already_reads():
 
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1)
     pool = get_pool(create=True)
-    # "queued" while an earlier test's idle bucket still holds the bucket budget.
+    # "queued" while an earlier test's bucket still has members (an idle one gives its budget up).
     assert _seat_one(pool, trainable, "m-kept", 0.1) in ("seated", "queued")
     assert ray.get(pool.bind.remote("trial-kept", ["m-kept"])) == "m-kept"
     reservation = ray.get(pool.reserve.remote("trial-kept", trainable._task_id, None, {"lr": 0.1},

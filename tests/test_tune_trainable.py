@@ -201,11 +201,16 @@ class _CompactionBeforeIteration(tune.Callback):
 def test_bucket_compacts_as_members_finish_and_the_survivor_stays_on_its_trajectory(tmp_path):
     task = digits_task()
     # run_ahead=0: the survivor trains on only as its trial asks, so the bucket
-    # compacts (after the others leave) before the survivor is done.
+    # compacts (after the others leave) before the survivor is done. ChorusSearch
+    # seats the four members together: with members of their own, the survivor
+    # started in the full bucket only if its trial actor started before the
+    # first ones had finished (a race it lost once the first trial no longer
+    # waited for an earlier test's idle bucket).
     trainable = ChorusTrainable.for_task(task, bucket_size=4, compact_after_s=0.0, run_ahead=0)
     tuner = tune.Tuner(
         trainable, param_space={"epochs": tune.grid_search([1, 1, 2, 8]), "lr": 0.1, "seed": 6},
-        tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=4,
+                                    search_alg=ChorusSearch(task=trainable, max_concurrent_trials=4)),
         run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0, callbacks=[_CompactionBeforeIteration(4)],
                                   stop=lambda trial_id, result: result["training_iteration"]
                                   >= result["config"]["epochs"]))

@@ -261,7 +261,7 @@ class ChorusPool:
                 out[member] = "failed"
                 continue
             self.book.seat(member, Join(config=dict(config), seed=int(seed), plan=plan))
-            placed = self.placement.request(member, key, size)
+            placed = self._request(member, key, size)
             out[member] = "queued" if placed is None else "seated"
             if placed is not None:
                 placements.append(placed)
@@ -309,7 +309,7 @@ class ChorusPool:
                        self.scouts.wait_s)
         options = key.options
         size = await self._bucket_size(key, options, self.book.join_of(member).config)
-        placed = self.placement.request(member, key, size)
+        placed = self._request(member, key, size)
         if placed is not None:
             await self._realize_waiting(placed)
 
@@ -353,7 +353,7 @@ class ChorusPool:
         size = await self._bucket_size(key, options, config)
         plan = options.plan(self.plans.get(trial_id))
         seed = int(seed) if seed is not None else 0
-        placed = self.placement.request(trial_id, key, size)
+        placed = self._request(trial_id, key, size)
         if placed is None:
             logger.info("pool: %s waits for a bucket (all %s in use)", trial_id, self.placement.max_buckets)
             return Reservation(trial_id, seed, plan, None, None, False, token)
@@ -381,6 +381,15 @@ class ChorusPool:
             future = self._waiting.setdefault(member, asyncio.get_running_loop().create_future())
             name = await future
         return name, self.handles[name]
+
+    def _request(self, member: str, key: GroupKey, size: int) -> Placed | None:
+        """The placement's answer for ``member``; an empty bucket of another key
+        whose budget it took closes once its trials have read every result."""
+        placed = self.placement.request(member, key, size)
+        if placed is not None and placed.replaces is not None:
+            logger.info("pool: %s takes the budget of idle bucket %s", member, placed.replaces)
+            asyncio.get_running_loop().create_task(self._close_when_drained(placed.replaces))
+        return placed
 
     async def _realize_waiting(self, placed: Placed) -> None:
         try:
