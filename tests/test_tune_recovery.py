@@ -48,8 +48,9 @@ class _Restores(Callback):
             self.recovered[trial.trial_id] = f.read()
 
 
-@pytest.mark.parametrize("run_ahead", [0, 2])
-def test_hyperband_paused_members_resume_on_their_reference_trajectory(tmp_path, run_ahead):
+# Resumed on a fresh actor (Tune's default), and on a cached one through reset_config (reuse_actors=True).
+@pytest.mark.parametrize("run_ahead, reuse_actors", [(0, False), (2, True)])
+def test_hyperband_paused_members_resume_on_their_reference_trajectory(tmp_path, run_ahead, reuse_actors):
     task = digits_task()
     trainable = ChorusTrainable.for_task(task, bucket_size=4, run_ahead=run_ahead)
     # stop_last_trials=False: stock HyperBand's last-rung cleanup stops PAUSED
@@ -60,11 +61,11 @@ def test_hyperband_paused_members_resume_on_their_reference_trajectory(tmp_path,
     starts = _Restores()
     tuner = tune.Tuner(
         trainable, param_space={"lr": tune.grid_search([0.02, 0.05, 0.1, 0.2, 0.3, 0.4]), "seed": 5},
-        tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler),
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler, reuse_actors=reuse_actors),
         run_config=run_config(tmp_path, 4, callbacks=[starts]))
     results = tuner.fit()
     assert not results.errors
-    # A paused trial is started again (a new actor) when it resumes.
+    # A paused trial is started again when it resumes (a new actor, or a cached one reset).
     resumed = [r for r in results if starts.starts[r.metrics["trial_id"]] > 1]
     assert resumed
     for r in resumed:
@@ -108,8 +109,10 @@ def _assert_same_member_state(ours: dict, donor: dict) -> None:
     assert torch.equal(ours["data"]["generator"], donor["data"]["generator"])
 
 
-@pytest.mark.parametrize("run_ahead", [0, 2])
-def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead):
+# Each exploit on a fresh actor (Tune's default), and on the same actor through
+# reset_config (reuse_actors=True, which Tune itself advises for PBT).
+@pytest.mark.parametrize("run_ahead, reuse_actors", [(0, False), (2, True)])
+def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead, reuse_actors):
     # Top trials have lr 0.5 and mutation keeps lr 0.5: an exploiting trial then
     # holds exactly its donor's state (weights, optimizer, data order) and config,
     # so from the exploit on it trains exactly as its donor does; the exploiting
@@ -125,7 +128,7 @@ def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead):
     seen = _Results()
     tuner = tune.Tuner(
         trainable, param_space={"lr": tune.grid_search([0.001, 0.002, 0.5, 0.5]), "momentum": 0.9},
-        tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=pbt),
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=pbt, reuse_actors=reuse_actors),
         run_config=tune.RunConfig(storage_path=str(tmp_path), verbose=0, stop={"training_iteration": 4},
                                   callbacks=[seen], checkpoint_config=tune.CheckpointConfig(checkpoint_at_end=True)))
     results = tuner.fit()
