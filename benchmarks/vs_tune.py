@@ -294,13 +294,17 @@ def buckets_closed(stats: Mapping[str, Mapping]) -> bool:
 def settle(timeout_s: float, poll_s: float = 0.2) -> tuple[float, bool]:
     """Wait until the cluster's resources are all free and every bucket has closed
     (buckets close ``idle_close_s`` after their last read, holding a GPU until then:
-    the next timed run must not wait for them inside its own time). Returns the
-    seconds waited, and whether it settled before ``timeout_s``."""
+    the next timed run must not wait for them inside its own time). The last
+    run's idle buckets are told to close now (``close_idle_buckets``), as a
+    script that needs the device next would: waiting out their ``idle_close_s``
+    only idled the machine between runs. Returns the seconds waited, and whether
+    it settled before ``timeout_s``."""
     import ray
 
-    from chorus_tune.tune.execution.pool import bucket_stats
+    from chorus_tune.tune.execution.pool import bucket_stats, close_idle_buckets
 
     start = time.perf_counter()
+    close_idle_buckets()
     while True:
         if resources_free(ray.cluster_resources(), ray.available_resources()) and buckets_closed(bucket_stats()):
             return time.perf_counter() - start, True

@@ -199,6 +199,35 @@ def test_a_member_that_leaves_while_its_new_bucket_starts_is_not_trained_there()
     assert ray.get(pool.stats.remote())[name]["closed"], f"bucket {name} still open: it trains the member that left"
 
 
+def test_close_idle_buckets_closes_the_idle_ones_now_and_leaves_the_busy_ones():
+    import time
+
+    from chorus_tune.tune import ChorusTrainable, close_idle_buckets
+    from chorus_tune.tune.execution.pool import get_pool
+
+    from tune_support import digits_task
+
+    # idle_close_s=300: an idle bucket that closes within the test was closed by the call.
+    idle = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=8, idle_close_s=300.0)
+    busy = ChorusTrainable.for_task(digits_task(), bucket_size=3, max_buckets=8, idle_close_s=300.0)
+    pool = get_pool(create=True)
+    _seat_one(pool, idle, "m-idle", 0.1)
+    _seat_one(pool, busy, "m-busy", 0.1)
+    idle_name, _ = ray.get(pool.await_placement.remote("m-idle"), timeout=60)
+    busy_name, _ = ray.get(pool.await_placement.remote("m-busy"), timeout=60)
+    ray.get(pool.leave.remote("m-idle"))
+    try:
+        closed = close_idle_buckets()
+        assert idle_name in closed and busy_name not in closed
+        deadline = time.monotonic() + 30
+        while not ray.get(pool.stats.remote())[idle_name]["closed"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        stats = ray.get(pool.stats.remote())
+        assert stats[idle_name]["closed"] and not stats[busy_name]["closed"]
+    finally:
+        ray.get(pool.leave.remote("m-busy"))
+
+
 @ray.remote(num_cpus=0)
 class _TrialActor:
     """Stands in for a trial actor that dies before its first result."""

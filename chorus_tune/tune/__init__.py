@@ -2,8 +2,8 @@
 
 ``ChorusTrainable`` (trials as members of fused buckets), ``load_model`` (a
 checkpoint back to the user's module), ``retire_trial`` (free a trial's slot
-now, for schedulers), and, from their own modules, ``ChorusSearch`` and
-``ChorusASHA``.
+now, for schedulers), ``close_idle_buckets`` (free the devices idle buckets
+hold now), and, from their own modules, ``ChorusSearch`` and ``ChorusASHA``.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ _EXPORTS = {
     "retire_trial": ".execution.pool",
     "bucket_stats": ".execution.pool",
     "free_slots": ".execution.pool",
+    "close_idle_buckets": ".execution.pool",
     "ChorusSearch": ".search.search",
     "ChorusASHA": ".schedulers.asha",
 }

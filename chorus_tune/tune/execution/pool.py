@@ -602,6 +602,21 @@ class ChorusPool:
         for name in update.idle:
             asyncio.get_running_loop().create_task(self._close_if_idle(name))
 
+    async def close_idle(self) -> list[str]:
+        """Close every idle bucket (no member in its slots) now rather than its
+        ``idle_close_s`` later; each still closes only once its trials have
+        read every result. Their names."""
+        if self.placement is None:
+            return []
+        names = [name for name, record in self.placement.buckets.items() if not record.members]
+        for name in names:
+            _, update = self.placement.close(name)
+            await self._apply(update)
+            asyncio.get_running_loop().create_task(self._close_when_drained(name))
+        if names:
+            self._share_cores()
+        return names
+
     async def _close_if_idle(self, name: str) -> None:
         # It stays in the placement until its members' trials read every result (see closing.py).
         delay_s = idle_close_s(self.placement, name)
@@ -866,6 +881,17 @@ def retire_trial(trial_id: str, timeout_s: float = 60.0) -> None:
     pool = get_pool(create=False)
     if pool is not None:
         ray.get(pool.trial_left.remote(trial_id), timeout=timeout_s)
+
+
+def close_idle_buckets(timeout_s: float = 60.0) -> list[str]:
+    """Close this job's idle buckets (no member in their slots) now, instead of
+    their ``idle_close_s`` later, and free what they hold (a GPU): for a script
+    that needs the device right after a sweep. A bucket still closes only once
+    its trials have read every result. Returns their names; ``[]`` when no pool runs."""
+    if not ray.is_initialized():
+        return []
+    pool = get_pool(create=False)
+    return [] if pool is None else ray.get(pool.close_idle.remote(), timeout=timeout_s)
 
 
 def free_slots(structural_key: Hashable) -> int:
