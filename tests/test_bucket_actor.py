@@ -90,6 +90,19 @@ def test_members_train_to_their_budget_before_any_trial_reads_them():
         assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL)
 
 
+def test_members_expected_in_one_call_train_every_iteration_together():
+    # The pool tells a bucket of the members placed in it together in one call:
+    # told one by one, a new bucket trained the first ones alone while the rest were on their way.
+    async def scenario():
+        bucket = make_bucket(4)
+        await bucket.expect_all([(m, None, join(m, Plan(budget=2, bucket_decides=True))) for m in "abcd"])
+        await until(lambda: all(r.produced == 2 for r in bucket.book.records.values()))
+        return bucket
+
+    bucket = asyncio.run(scenario())
+    assert bucket.iterations == 2  # two iterations, each of all four
+
+
 def test_a_save_after_result_t_holds_the_member_at_t_though_the_bucket_is_ahead():
     async def scenario():
         bucket = make_bucket(2)

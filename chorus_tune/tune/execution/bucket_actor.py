@@ -182,6 +182,14 @@ class ChorusBucket:
             self._start_build(member, join)
         return self.name
 
+    async def expect_all(self, members: list[tuple[str, ActorId | None, Join | None]]) -> str:
+        """:meth:`expect` for each ``(member, client, join)``, in one go: no
+        iteration can start between them, so members seated together are all
+        being built when the first one is (and train their first iteration together)."""
+        for member, client, join in members:
+            await self.expect(member, client, join)  # never yields: nothing in it awaits
+        return self.name
+
     async def watch(self, member: str, client: ActorId | None) -> None:
         """``client`` (a trial actor's id) reads ``member`` now: if it dies, the
         reaper drops the member. The pool says so when a trial is bound to a

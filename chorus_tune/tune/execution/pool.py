@@ -268,8 +268,7 @@ class ChorusPool:
         # Not awaited: a new bucket actor takes seconds to start (it imports
         # torch), and the trials Tune starts meanwhile wait for their member's
         # placement in their own first step, in parallel with it.
-        for placed in placements:
-            asyncio.get_running_loop().create_task(self._realize_waiting(placed))
+        self._realize_all(placements)
         return out
 
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
@@ -311,7 +310,7 @@ class ChorusPool:
         size = await self._bucket_size(key, options, self.book.join_of(member).config)
         placed = self._request(member, key, size)
         if placed is not None:
-            await self._realize_waiting(placed)
+            await self._realize_waiting([placed])
 
     async def reserve(self, trial_id: str, task_id_: str, task_blob: bytes | None, config: dict,
                       options: BucketOptions, client: str | None = None, seed: int | None = None):
@@ -360,7 +359,7 @@ class ChorusPool:
         # A new bucket may wait long to start (for a GPU another bucket holds):
         # the trial then waits in await_placement, which says what it waits for
         # and ends (docs/design.md "Faults: every wait ends"), not in here.
-        realizing = asyncio.get_running_loop().create_task(self._realize_waiting(placed))
+        realizing = asyncio.get_running_loop().create_task(self._realize_waiting([placed]))
         await asyncio.wait({realizing}, timeout=_REALIZE_WAIT_S)
         if trial_id in self._unplaced:
             raise self._unplaced.pop(trial_id)
@@ -391,16 +390,26 @@ class ChorusPool:
             asyncio.get_running_loop().create_task(self._close_when_drained(placed.replaces))
         return placed
 
-    async def _realize_waiting(self, placed: Placed) -> None:
+    def _realize_all(self, placements: list[Placed]) -> None:
+        """Realize ``placements`` in the background, one task per bucket: the
+        members placed in one bucket together reach it in one call."""
+        by_bucket: dict[str, list[Placed]] = {}
+        for placed in placements:
+            by_bucket.setdefault(placed.bucket, []).append(placed)
+        for group in by_bucket.values():
+            asyncio.get_running_loop().create_task(self._realize_waiting(group))
+
+    async def _realize_waiting(self, group: list[Placed]) -> None:
         try:
-            await self._realize(placed)
-        except Exception as exc:  # noqa: BLE001 - the waiting trial hears of it
-            logger.error("pool: placing member %s in bucket %s failed: %r", placed.trial_id, placed.bucket, exc)
-            # Kept for a trial that asks later: with no one told, it would wait forever.
-            self._unplaced[placed.trial_id] = exc
-            future = self._waiting.pop(placed.trial_id, None)
-            if future is not None and not future.done():
-                future.set_exception(exc)
+            await self._realize(group)
+        except Exception as exc:  # noqa: BLE001 - the waiting trials hear of it
+            for placed in group:
+                logger.error("pool: placing member %s in bucket %s failed: %r", placed.trial_id, placed.bucket, exc)
+                # Kept for a trial that asks later: with no one told, it would wait forever.
+                self._unplaced[placed.trial_id] = exc
+                future = self._waiting.pop(placed.trial_id, None)
+                if future is not None and not future.done():
+                    future.set_exception(exc)
 
     # ----- what the run's buckets learn of Tune's decisions ----------------------------------------
     async def stops_seen(self, name: str, stopped: dict[int, int], continued: dict[int, int]) -> None:
@@ -422,12 +431,14 @@ class ChorusPool:
         if counts is not None and name in self.handles:
             self.handles[name].stops_elsewhere.remote(*counts)
 
-    async def _realize(self, placed: Placed) -> str | None:
-        """Make a placement real: create the bucket actor if new, and have it
-        expect the member (and build it now, when it is seated). Its bucket's
-        name; ``None`` when the member left meanwhile (nobody waits for it)."""
-        name = placed.bucket
-        if placed.opened or name not in self.handles:
+    async def _realize(self, group: list[Placed]) -> None:
+        """Make placements in one bucket real: create the bucket actor if new,
+        and have it expect the members (and build them now, those seated), in
+        one call. One call per member reached a new bucket apart under load,
+        and two of a cohort of eight seated together trained an iteration
+        before the other six arrived (a cohort must reach its rungs together)."""
+        name = group[0].bucket
+        if any(p.opened for p in group) or name not in self.handles:
             record = self.placement.buckets[name]
             tid, options, model_name, _ = self.key_info[record.key]
             resources = self._bucket_resources(options)
@@ -442,27 +453,27 @@ class ChorusPool:
             self._share_cores()
             self.history.opened(name, model_name, record.capacity, record.ever, fit)
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
-        member = placed.trial_id
+        members = [p.trial_id for p in group]
         handle = self.handles[name]
-        await handle.expect.remote(member, self.clients.get(member), self.book.join_of(member))
-        if self.placement.bucket_of(member) != name:
-            # It left while the bucket was being told (a new bucket's actor
-            # takes seconds to start): its leave found no home to tell, so the
-            # bucket would train it, unread, for good, and never drain. Seen as
-            # a restore in one driver re-seated a member its restarted trial
-            # no longer read: the idle bucket held the bucket budget and the
-            # next run's trials waited for it.
-            with contextlib.suppress(RayActorError):
-                await handle.leave.remote(member, keep_state=False)
-            return None
-        # Known as its home only once the bucket expects it: a trial that asks
-        # the bucket before then would find no such member there.
-        self.book.house(member, name)
-        self._events += 1
-        future = self._waiting.pop(member, None)
-        if future is not None and not future.done():
-            future.set_result(name)
-        return name
+        await handle.expect_all.remote([(m, self.clients.get(m), self.book.join_of(m)) for m in members])
+        for member in members:
+            if self.placement.bucket_of(member) != name:
+                # It left while the bucket was being told (a new bucket's actor
+                # takes seconds to start): its leave found no home to tell, so the
+                # bucket would train it, unread, for good, and never drain. Seen as
+                # a restore in one driver re-seated a member its restarted trial
+                # no longer read: the idle bucket held the bucket budget and the
+                # next run's trials waited for it.
+                with contextlib.suppress(RayActorError):
+                    await handle.leave.remote(member, keep_state=False)
+                continue
+            # Known as its home only once the bucket expects it: a trial that asks
+            # the bucket before then would find no such member there.
+            self.book.house(member, name)
+            self._events += 1
+            future = self._waiting.pop(member, None)
+            if future is not None and not future.done():
+                future.set_result(name)
 
     @staticmethod
     def _model_name(task, config: dict) -> str:
@@ -597,8 +608,7 @@ class ChorusPool:
         self._events += 1
         for name in update.closed:
             asyncio.get_running_loop().create_task(self._close_when_drained(name))
-        for placed in update.placed:
-            asyncio.get_running_loop().create_task(self._realize_waiting(placed))
+        self._realize_all(update.placed)
         for name in update.idle:
             asyncio.get_running_loop().create_task(self._close_if_idle(name))
 
