@@ -128,6 +128,18 @@ def _seat_one(pool, trainable, member, lr):
     return ray.get(pool.seat.remote(*args))[member]
 
 
+def _stats_once_closed(pool, name: str, timeout_s: float) -> dict:
+    """The pool's stats once bucket ``name`` has closed, or after ``timeout_s``."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = ray.get(pool.stats.remote())
+        if stats[name]["closed"] or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
 def test_seating_again_keeps_a_member_a_trial_already_reads():
     # A restore in the same driver seats ChorusSearch's members again; a
     # restarted trial may already read one of them by then. The re-seat must
@@ -180,7 +192,6 @@ def test_a_member_that_leaves_while_its_new_bucket_starts_is_not_trained_there()
     # A new bucket's actor takes seconds to start (it imports torch); a leave
     # in that window found no home to tell, and the bucket then trained the
     # member, unread, for good, and never closed: it held the bucket budget.
-    import time
 
     from chorus_tune.tune import ChorusTrainable
     from chorus_tune.tune.execution.pool import get_pool
@@ -193,14 +204,11 @@ def test_a_member_that_leaves_while_its_new_bucket_starts_is_not_trained_there()
     ray.get(pool.leave.remote("m-left-early"))
     stats = ray.get(pool.stats.remote())
     (name,) = [n for n, s in stats.items() if "m-left-early" in s["trials"]]
-    deadline = time.monotonic() + 60
-    while not ray.get(pool.stats.remote())[name]["closed"] and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.get(pool.stats.remote())[name]["closed"], f"bucket {name} still open: it trains the member that left"
+    closed = _stats_once_closed(pool, name, 60)[name]["closed"]
+    assert closed, f"bucket {name} still open: it trains the member that left"
 
 
 def test_close_idle_buckets_closes_the_idle_ones_now_and_leaves_the_busy_ones():
-    import time
 
     from chorus_tune.tune import ChorusTrainable, close_idle_buckets
     from chorus_tune.tune.execution.pool import get_pool
@@ -219,10 +227,7 @@ def test_close_idle_buckets_closes_the_idle_ones_now_and_leaves_the_busy_ones():
     try:
         closed = close_idle_buckets()
         assert idle_name in closed and busy_name not in closed
-        deadline = time.monotonic() + 30
-        while not ray.get(pool.stats.remote())[idle_name]["closed"] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        stats = ray.get(pool.stats.remote())
+        stats = _stats_once_closed(pool, idle_name, 30)
         assert stats[idle_name]["closed"] and not stats[busy_name]["closed"]
     finally:
         ray.get(pool.leave.remote("m-busy"))

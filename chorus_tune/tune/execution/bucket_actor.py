@@ -167,6 +167,19 @@ class ChorusBucket:
         ChorusSearch) it is built now, else on its trial's first request.
         Idempotent."""
         self._start()
+        self._expect(member, client, join)
+        return self.name
+
+    async def expect_all(self, members: list[tuple[str, ActorId | None, Join | None]]) -> str:
+        """:meth:`expect` for each ``(member, client, join)``, in one go: no
+        iteration can start between them, so members seated together are all
+        being built when the first one is (and train their first iteration together)."""
+        self._start()
+        for member, client, join in members:
+            self._expect(member, client, join)  # not a coroutine: the train loop cannot run in between
+        return self.name
+
+    def _expect(self, member: str, client: ActorId | None, join: Join | None) -> None:
         record = self.book.get(member)
         fresh = record is None or record.phase not in (Phase.RESERVED, Phase.TRAINING, Phase.HELD)
         self.book.reserve(member, Plan() if join is None else join.plan)
@@ -180,15 +193,6 @@ class ChorusBucket:
             self.ever.append(member)
         if join is not None and member not in self._joining:
             self._start_build(member, join)
-        return self.name
-
-    async def expect_all(self, members: list[tuple[str, ActorId | None, Join | None]]) -> str:
-        """:meth:`expect` for each ``(member, client, join)``, in one go: no
-        iteration can start between them, so members seated together are all
-        being built when the first one is (and train their first iteration together)."""
-        for member, client, join in members:
-            await self.expect(member, client, join)  # never yields: nothing in it awaits
-        return self.name
 
     async def watch(self, member: str, client: ActorId | None) -> None:
         """``client`` (a trial actor's id) reads ``member`` now: if it dies, the
