@@ -97,3 +97,19 @@ def test_a_bound_trial_that_has_not_reserved_is_found_by_its_bound_member():
     readers = Readers()
     readers.bind_to("t1", "m1")
     assert readers.member_of("t1") == "m1"
+
+
+def test_the_members_read_are_those_trials_reserved_not_those_only_bound():
+    readers = Readers()
+    readers.bind("t1", ["m1"], seated=among("m1"), placed=among("m1"))
+    readers.bind("t2", ["m2"], seated=among("m2"), placed=among("m2"))
+    readers.start("t2", "m2")
+    readers.start("t3", "t3")  # a trial's own member
+    assert readers.members_read() == {"m2", "t3"}
+
+
+def test_a_member_whose_trial_left_is_no_longer_read():
+    readers = Readers()
+    readers.start("t1", "m1")
+    readers.leave("t1")
+    assert readers.members_read() == set()

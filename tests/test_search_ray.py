@@ -261,3 +261,56 @@ def test_a_seated_member_whose_trial_actor_dies_before_reading_is_reaped():
         time.sleep(0.2)
     assert ray.get(pool.bucket_of.remote("m-orphan")) is None
     assert any("m-orphan" in s["reaped"] for s in ray.get(pool.stats.remote()).values())
+
+
+class _EndRunAfter(tune.Stopper):
+    """Ends the whole run after its first ``n`` results, as ``time_budget_s`` or a stopper's ``stop_all`` does."""
+
+    def __init__(self, n: int):
+        self.n, self.seen = n, 0
+
+    def __call__(self, trial_id, result):
+        self.seen += 1
+        return False
+
+    def stop_all(self):
+        return self.seen >= self.n
+
+
+def test_a_run_that_ended_early_leaves_no_unread_member_holding_the_next_run_s_budget(tmp_path):
+    # Tune tells a searcher nothing when a run ends early: the members
+    # ChorusSearch seated ahead of its trials stayed, trained unread, and their
+    # bucket never drained. At max_buckets=1 (one GPU) the next run in this
+    # driver waited for that bucket's budget for good.
+    from chorus_tune.tune import ChorusTrainable
+    from chorus_tune.tune.execution.pool import UNREAD_AT_NEW_RUN, get_pool
+
+    from tune_support import digits_task
+
+    first = ChorusTrainable.for_task(digits_task(), bucket_size=4, max_buckets=1)
+    ended = tune.Tuner(
+        first, param_space={"lr": tune.uniform(0.02, 0.3)},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=12,
+                                    search_alg=ChorusSearch(task=first, max_concurrent_trials=2)),
+        run_config=_run_config(tmp_path, name="ended", stop=_EndRunAfter(2))).fit()
+    assert len(ended) < 12
+    pool = get_pool(create=False)
+    read = {r.metrics["chorus/member"] for r in ended}
+    unread = {n: set(s["members"]) - read for n, s in ray.get(pool.stats.remote()).items()}
+    unread = {n: members for n, members in unread.items() if members}
+    assert unread, "the early end left no unread member seated: this test tests nothing"
+
+    # Another structure (width 48): it needs the budget the first run's bucket holds.
+    second = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1)
+    results = tune.Tuner(
+        second, param_space={"lr": tune.grid_search([0.05, 0.1]), "width": 48},
+        # time_budget_s: with the unread members kept, its trials never get a
+        # bucket, and the run ends at the budget with neither at iteration 2.
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=2, time_budget_s=90,
+                                    search_alg=ChorusSearch(task=second, max_concurrent_trials=2)),
+        run_config=_run_config(tmp_path, name="next", stop={"training_iteration": 2})).fit()
+    assert not results.errors
+    assert sorted(r.metrics.get("training_iteration", 0) for r in results) == [2, 2]
+    stats = ray.get(pool.stats.remote())
+    for name, members in unread.items():
+        assert members <= set(stats[name].get(UNREAD_AT_NEW_RUN, [])), stats[name]

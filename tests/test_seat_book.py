@@ -129,3 +129,21 @@ def test_a_lost_bucket_leaves_other_buckets_members_alone():
     book.house("m3", "b1")
     book.bucket_lost("b0")
     assert book.home("m3") == "b1" and book.join_of("m3") == JOIN
+
+
+def test_the_unread_members_are_the_seated_ones_no_trial_reads_oldest_first():
+    book = seated("m1", "m2", "m3")
+    book.house("m2", "b0")
+    assert book.unread(read={"m2"}) == ["m1", "m3"]
+
+
+def test_a_member_that_cannot_be_built_and_is_unread_is_unread_too():
+    book = seated("m1")
+    book.fail("m2", ValueError("bad config"))
+    assert book.unread(read=set()) == ["m1", "m2"]
+
+
+def test_a_trial_s_own_member_is_never_unread():
+    book = SeatBook()
+    book.house("t1", "b0")  # a trial's own member: no seat, it leaves with its trial
+    assert book.unread(read=set()) == []

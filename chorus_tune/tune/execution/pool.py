@@ -56,6 +56,8 @@ NEED_TASK = "chorus/need-task"
 QUEUED = "chorus/queued"
 _JOB_POLL_S = 2.0
 _DRAIN_POLL_S = 0.2
+# Why a member left, in its bucket's history: an earlier run seated it and no trial ever read it.
+UNREAD_AT_NEW_RUN = "unread when a new run started"
 _REALIZE_WAIT_S = 5.0  # reserve waits this long for its bucket, then the trial waits in await_placement
 
 
@@ -421,10 +423,31 @@ class ChorusPool:
 
     async def new_run(self) -> None:
         """A new Tune run starts in this driver (ChorusSearch says so): where
-        the last run's scheduler stopped trials says nothing of this one's."""
+        the last run's scheduler stopped trials says nothing of this one's, and
+        the members earlier runs seated that no trial reads leave.
+
+        Tune tells a searcher nothing when a run ends early (a stopper's
+        ``stop_all``, ``time_budget_s``, ``fail_fast``): the members seated
+        ahead of it stayed, trained, unread, for good, their bucket never
+        drained, and the next run's trials waited for its budget for ever
+        (measured: a second fit in one driver at ``max_buckets=1`` hung). One
+        run at a time per driver is assumed, as for the stop counts above."""
+        self._start()
         self._stops.clear()
         for handle in list(self.handles.values()):
             handle.reset_stops.remote()
+        unread = self.book.unread(self.readers.members_read())
+        if self.placement is not None:
+            # Queued ones first: a placed one's slot must not go to one about to leave.
+            unread.sort(key=lambda member: not self.placement.is_waiting(member))
+        # All forgotten before the first await: this run's seats come after (a
+        # restore's re-seats included, which must then seat afresh, not keep).
+        gone = [(member, *self._forget(member, UNREAD_AT_NEW_RUN)) for member in unread]
+        if gone:
+            logger.info("pool: a new run starts; %d members seated before and never read leave: %s",
+                        len(gone), [member for member, _, _ in gone])
+        for member, name, update in gone:
+            await self._left(member, name, update)
 
     def _send_stops(self, name: str) -> None:
         counts = self._stops.elsewhere(name)
@@ -552,6 +575,12 @@ class ChorusPool:
         waiting). Idempotent; a no-op for a member the pool never saw.
         ``reason`` (e.g. ``"reaped"``) is recorded in the bucket's history."""
         self._start()
+        name, update = self._forget(member, reason)
+        await self._left(member, name, update, notify_bucket)
+
+    def _forget(self, member: str, reason: str | None) -> tuple[str | None, Update]:
+        """The pool's own part of ``member`` leaving, with no await: its home
+        bucket (``None``: none), and what its freed slot set in motion."""
         self.scouts.release(member)
         name = self.book.leave(member)
         self._unplaced.pop(member, None)
@@ -559,9 +588,16 @@ class ChorusPool:
         if future is not None and not future.done():
             future.set_exception(RuntimeError(f"member {member} left before it was placed"))
         self.clients.pop(member, None)
+        placed_in = self.placement.bucket_of(member) if self.placement is not None else None
         if reason is not None:
-            self.history.note(name, reason, member)
+            # A member placed in a bucket that has not yet said it expects it
+            # has no home yet: its history is still that bucket's.
+            self.history.note(name or placed_in, reason, member)
         update = self.placement.remove(member) if self.placement is not None else Update()
+        return name, update
+
+    async def _left(self, member: str, name: str | None, update: Update, notify_bucket: bool = True) -> None:
+        """The rest of ``member`` leaving (see :meth:`_forget`): its bucket is told, the update applied."""
         if name is not None and notify_bucket and name in self.handles:
             try:
                 await self.handles[name].leave.remote(member)

@@ -63,6 +63,10 @@ class Readers:
         self.reading[trial_id] = (member, self._tokens)
         return self._tokens
 
+    def members_read(self) -> set[str]:
+        """The members trials read now (a binding alone is not a read: its trial may never start)."""
+        return {member for member, _ in self.reading.values()}
+
     def member_of(self, trial_id: str) -> str:
         """The member ``trial_id`` reads (or is bound to); a name that is no
         trial's is taken for a member's own."""

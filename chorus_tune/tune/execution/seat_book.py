@@ -9,6 +9,8 @@ records: its slot, or, once it finished, its results still to drain.
 """
 from __future__ import annotations
 
+from collections.abc import Collection
+
 from .options import Join
 
 
@@ -52,6 +54,16 @@ class SeatBook:
         """Whether a trial bound to ``member`` reads it: a member whose model
         cannot be built stays seated (its trial fails with the factory's error)."""
         return member in self.seats or member in self.failed
+
+    def unread(self, read: Collection[str]) -> list[str]:
+        """Seated members (those that cannot be built too) that no trial reads,
+        given the members trials ``read`` now, oldest seat first. When a new
+        run starts in this job, these are what earlier runs seated and never
+        handed to a trial that ran: a run that ended early (a stopper's
+        ``stop_all``, ``time_budget_s``, an error) leaves them seated, and
+        nothing else ever reads them."""
+        read = set(read)
+        return [m for m in dict.fromkeys([*self.seats, *self.failed]) if m not in read]
 
     def join_of(self, member: str) -> Join | None:
         return self.seats.get(member)
