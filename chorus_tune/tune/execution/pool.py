@@ -421,10 +421,15 @@ class ChorusPool:
             if other != name:
                 self._send_stops(other)
 
-    async def new_run(self) -> None:
+    async def new_run(self, seated_by: str) -> None:
         """A new Tune run starts in this driver (ChorusSearch says so): where
         the last run's scheduler stopped trials says nothing of this one's, and
-        the members earlier runs seated that no trial reads leave.
+        the members earlier runs seated that no trial reads leave. Those named
+        ``seated_by`` (the prefix of the member names the run's own search
+        seats) stay: Ray does not keep the order of an async actor's calls
+        (docs: "Actor Task Execution Order"), so this one may run after the
+        run's first seats. A restore in this driver keeps its search's
+        prefix, and so its seats, as before.
 
         Tune tells a searcher nothing when a run ends early (a stopper's
         ``stop_all``, ``time_budget_s``, ``fail_fast``): the members seated
@@ -436,12 +441,11 @@ class ChorusPool:
         self._stops.clear()
         for handle in list(self.handles.values()):
             handle.reset_stops.remote()
-        unread = self.book.unread(self.readers.members_read())
+        unread = self.book.unread(self.readers.members_read(), spare=seated_by)
         if self.placement is not None:
             # Queued ones first: a placed one's slot must not go to one about to leave.
             unread.sort(key=lambda member: not self.placement.is_waiting(member))
-        # All forgotten before the first await: this run's seats come after (a
-        # restore's re-seats included, which must then seat afresh, not keep).
+        # All forgotten before the first await: no seat can come between them.
         gone = [(member, *self._forget(member, UNREAD_AT_NEW_RUN)) for member in unread]
         if gone:
             logger.info("pool: a new run starts; %d members seated before and never read leave: %s",

@@ -55,15 +55,17 @@ class SeatBook:
         cannot be built stays seated (its trial fails with the factory's error)."""
         return member in self.seats or member in self.failed
 
-    def unread(self, read: Collection[str]) -> list[str]:
+    def unread(self, read: Collection[str], spare: str) -> list[str]:
         """Seated members (those that cannot be built too) that no trial reads,
-        given the members trials ``read`` now, oldest seat first. When a new
-        run starts in this job, these are what earlier runs seated and never
-        handed to a trial that ran: a run that ended early (a stopper's
+        given the members trials ``read`` now, oldest seat first, sparing those
+        whose names start with ``spare`` (the new run's own search's). When a
+        new run starts in this job, these are what earlier runs seated and
+        never handed to a trial that ran: a run that ended early (a stopper's
         ``stop_all``, ``time_budget_s``, an error) leaves them seated, and
         nothing else ever reads them."""
         read = set(read)
-        return [m for m in dict.fromkeys([*self.seats, *self.failed]) if m not in read]
+        return [m for m in dict.fromkeys([*self.seats, *self.failed])
+                if m not in read and not m.startswith(spare)]
 
     def join_of(self, member: str) -> Join | None:
         return self.seats.get(member)

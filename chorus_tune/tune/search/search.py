@@ -212,8 +212,9 @@ class ChorusSearch(ConcurrencyLimiter):
             from ..execution.pool import get_pool
 
             # Starts now (a second or two) while Tune sets up the run; not waited
-            # for: the pool takes its calls in order, new_run before any seat.
-            get_pool(create=True).new_run.remote()
+            # for. It may reach the pool after the first seats (an async actor
+            # does not keep the order of its calls): it spares this search's members.
+            get_pool(create=True).new_run.remote(self._prefix)
             run_plan.search_seats_cohorts()
         ok = super().set_search_properties(metric, mode, config, **spec)
         if self._own_sampler and self._budget and self.searcher.grid_size > 1 \
