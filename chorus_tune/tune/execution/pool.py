@@ -592,10 +592,10 @@ class ChorusPool:
         if future is not None and not future.done():
             future.set_exception(RuntimeError(f"member {member} left before it was placed"))
         self.clients.pop(member, None)
-        placed_in = self.placement.bucket_of(member) if self.placement is not None else None
         if reason is not None:
             # A member placed in a bucket that has not yet said it expects it
             # has no home yet: its history is still that bucket's.
+            placed_in = self.placement.bucket_of(member) if self.placement is not None else None
             self.history.note(name or placed_in, reason, member)
         update = self.placement.remove(member) if self.placement is not None else Update()
         return name, update
