@@ -18,11 +18,19 @@ from ray import tune
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from prune_support import Recorder, cohorts_at, reference_metric, replay  # noqa: E402
 
-pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
+pytestmark = pytest.mark.usefixtures("local_ray")  # the suite's shared Ray (conftest.py), 2 CPUs
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-TRIALS, BUCKET, MAX_BUCKETS, MAX_T, RF, CPUS = 32, 8, 2, 16, 4, 2
+TRIALS, BUCKET, MAX_BUCKETS, MAX_T, RF = 32, 8, 2, 16, 4
+
+
+def _trial_actors() -> set[str]:
+    """Every trial actor this job ever created, alive or not (the GCS's actor
+    table: the shared Ray runs no dashboard for the state API)."""
+    job = ray.get_runtime_context().get_job_id()
+    return {a["ActorID"] for a in ray._private.state.actors().values()
+            if a["ActorClassName"] == "ChorusTrainable" and a["JobID"] == job}
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +41,7 @@ def sweep(tmp_path_factory):
 
     from tune_support import digits_task
 
-    # address="local": a Ray instance of our own (others may run on this machine);
-    # the dashboard, for the state API that lists every actor ever created.
-    ray.init(address="local", num_cpus=CPUS, include_dashboard=True, configure_logging=False)
+    before = _trial_actors()  # the module shares its Ray: earlier modules' trial actors are not this sweep's
     task = digits_task()
     trainable = ChorusTrainable.for_task(task, bucket_size=BUCKET, max_buckets=MAX_BUCKETS)
     recorder = Recorder()
@@ -55,14 +61,9 @@ def sweep(tmp_path_factory):
                                   callbacks=[recorder]),
     )
     results = tuner.fit()
-    from ray.util.state import list_actors
-
-    # This instance's address: without one, the state API takes the last cluster
-    # `ray start` recorded on this machine (an earlier test's, maybe gone).
-    actors = list_actors(address=ray.get_runtime_context().gcs_address,
-                         filters=[("class_name", "=", "ChorusTrainable")], limit=10_000, detail=False)
-    yield task, results, recorder, bucket_stats(), actors
-    ray.shutdown()
+    ours = {r.metrics["chorus/bucket"] for r in results}  # the shared pool also holds earlier modules' buckets
+    stats = {name: s for name, s in bucket_stats().items() if name in ours}
+    yield task, results, recorder, stats, _trial_actors() - before
 
 
 def _results(recorder):
@@ -123,4 +124,5 @@ def test_trial_actors_number_about_the_cpus_not_the_slots(sweep):
     *_, actors = sweep
     # ChorusSearch runs one trial per CPU and Tune reuses their actors; a few
     # more may start while a finishing trial's actor is not yet cached.
-    assert 1 <= len(actors) <= CPUS + 2, [a.state for a in actors]
+    cpus = int(ray.cluster_resources()["CPU"])
+    assert 1 <= len(actors) <= cpus + 2, len(actors)
