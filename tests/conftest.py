@@ -8,7 +8,9 @@ Ray and a pool cost most of a small sweep's time (measured on this 2-core
 machine: a 4-trial, 2-iteration sweep took 34 s in a fresh Ray and 3.6 s in
 the next run after it). A module that needs a Ray of another shape (a fake
 cluster, declared GPUs, the dashboard) shuts it down and starts its own; the
-next module using ``local_ray`` starts a fresh one. After each module the
+next module using ``local_ray`` starts a fresh one. The modules that look at
+Ray's dashboard and metrics endpoint share a head of that shape in the same way
+(``observed_ray``). After each module the
 instance must be free again (every CPU back, within 30 s), or it is shut down
 so that no module inherits another's leftovers. Every test that runs Ray — through this fixture,
 a fake cluster (``cluster`` marker), or its own (``pytestmark =
@@ -17,6 +19,7 @@ pytest.mark.ray``) — carries the ``ray`` marker, so ``make test-core``
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -56,6 +59,46 @@ def local_ray():
         ray.shutdown()
 
 
+_OBSERVED: dict = {}  # the observed head while it runs: "head", "metrics_port", "stack"
+_NEXT_ITEM: dict = {"item": None}  # the test after the one running: whether it still needs that head
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    _NEXT_ITEM["item"] = nextitem
+
+
+@pytest.fixture(scope="module")
+def observed_ray():
+    """A Ray started as a user starts one (``ray start --head``, its dashboard
+    and token authentication), exporting metrics every second on a port of its
+    own, this process connected: ``(RayHead, metrics port)``. The modules that
+    use it run one after another (see ``pytest_collection_modifyitems``) and
+    share it, as the ``local_ray`` modules share theirs: starting one costs
+    about 8 s here. It stops after the last of them."""
+    from dashboard_support import free_port, ray_head
+
+    if "head" not in _OBSERVED or not ray.is_initialized():
+        _stop_observed()
+        if ray.is_initialized():
+            ray.shutdown()
+        stack, port = contextlib.ExitStack(), free_port()
+        head = stack.enter_context(ray_head(num_cpus=2, metrics_export_port=port,
+                                            system_config={"metrics_report_interval_ms": 1000}))
+        _OBSERVED.update(head=head, metrics_port=port, stack=stack)
+    yield _OBSERVED["head"], _OBSERVED["metrics_port"]
+    following = _NEXT_ITEM["item"]
+    if following is None or "observed_ray" not in following.fixturenames:
+        _stop_observed()
+
+
+def _stop_observed() -> None:
+    stack = _OBSERVED.pop("stack", None)
+    _OBSERVED.clear()
+    if stack is not None:
+        stack.close()
+
+
 @pytest.fixture
 def script_ray_env(local_ray) -> dict[str, str]:
     """What a script a test starts needs in its environment to join the shared
@@ -89,10 +132,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "local_ray" in item.fixturenames or item.get_closest_marker("cluster") is not None:
             item.add_marker(pytest.mark.ray)
-    # The modules on the shared Ray run one after another (in their own
-    # order): a module with a Ray of its own between two of them would make
-    # the second start Ray again.
-    items.sort(key=lambda item: "local_ray" in item.fixturenames)
+    # The modules on a shared Ray run one after another (in their own order):
+    # a module with a Ray of its own between two of them would make the second
+    # start Ray again. The observed head's first, the local one's last.
+    items.sort(key=lambda item: ("local_ray" in item.fixturenames, "observed_ray" not in item.fixturenames))
 
 
 _EXIT_STATUS: list[int] = []
@@ -101,6 +144,7 @@ _EXIT_STATUS: list[int] = []
 def pytest_sessionfinish(session, exitstatus):
     # Modules that start Ray themselves may leave it running: shut it down
     # while the interpreter is whole.
+    _stop_observed()
     if ray.is_initialized():
         ray.shutdown()
     _EXIT_STATUS.append(int(exitstatus))

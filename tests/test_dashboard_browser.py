@@ -26,7 +26,7 @@ from chorus_tune.tune import ChorusTrainable
 from chorus_tune.tune.execution.pool import NAMESPACE
 from chorus_tune.tune.search.search import ChorusSearch
 
-from dashboard_support import TABLE_ROWS_JS, Chromium, find_chromium, login, ray_head
+from dashboard_support import TABLE_ROWS_JS, Chromium, find_chromium, login
 from tune_support import digits_task, run_config
 
 CHROMIUM = find_chromium()
@@ -46,16 +46,19 @@ STARTED_FOR = re.compile(r"^ChorusTrainable\(started for trial (\S+)\)$")
 SERVES = re.compile(r"trial (\S+) reads member \S+ in bucket (\S+)$", re.MULTILINE)
 
 
-@pytest.fixture(scope="module")
-def ray_with_dashboard():
-    with ray_head(num_cpus=2) as head:
-        yield head.dashboard, head.token
+def _trial_actors(dashboard: str) -> list:
+    return list_actors(address=dashboard, filters=[("class_name", "=", "ChorusTrainable")], limit=10_000,
+                       detail=True)
 
 
 @pytest.fixture(scope="module")
-def seen(ray_with_dashboard, tmp_path_factory):
-    """The sweep, the live bucket, and what the browser showed."""
-    dashboard, token = ray_with_dashboard
+def seen(observed_ray, tmp_path_factory):
+    """The sweep, the live bucket, the trial actors the sweep started, and what
+    the browser showed. The head (conftest.py) is shared with
+    tests/test_tune_observability.py, whose sweep's actors may be there too."""
+    head, _ = observed_ray
+    dashboard, token = head.dashboard, head.token
+    before = {a.actor_id for a in _trial_actors(dashboard)}
     task = digits_task(batch_size=BATCH)
     # idle_close_s keeps the bucket alive after the sweep, to be looked at.
     trainable = ChorusTrainable.for_task(task, bucket_size=BUCKET, max_buckets=1, idle_close_s=300.0)
@@ -79,8 +82,9 @@ def seen(ray_with_dashboard, tmp_path_factory):
         rows = browser.evaluate(TABLE_ROWS_JS)
         browser.screenshot(shot)
     live = ray.get(handle.describe.remote())
+    trial_actors = [a for a in _trial_actors(dashboard) if a.actor_id not in before]
     return {"results": results, "bucket": bucket, "live": live, "rows": rows, "login": status,
-            "screenshot": shot, "dashboard": dashboard}
+            "screenshot": shot, "dashboard": dashboard, "trial_actors": trial_actors}
 
 
 def _table(rows: list[list[str]]) -> list[dict[str, str]]:
@@ -90,6 +94,13 @@ def _table(rows: list[list[str]]) -> list[dict[str, str]]:
 
 def _actor_rows(seen, cls: str) -> list[dict[str, str]]:
     return [r for r in _table(seen["rows"]) if r["Class"] == cls]
+
+
+def _trial_actor_rows(seen) -> list[dict[str, str]]:
+    """The page's rows of the trial actors this sweep started (by PID: the
+    shared head may hold another sweep's)."""
+    pids = {str(a.pid) for a in seen["trial_actors"]}
+    return [r for r in _actor_rows(seen, "ChorusTrainable") if r["PID"] in pids]
 
 
 def _bucket_log(seen) -> list[str]:
@@ -125,8 +136,8 @@ def test_the_bucket_row_claims_nothing_its_live_state_contradicts(seen):
 
 def test_each_trial_actor_row_names_a_trial_of_the_sweep(seen):
     trials = {r.metrics["trial_id"] for r in seen["results"]}
-    reprs = [r["Repr"] for r in _actor_rows(seen, "ChorusTrainable")]
-    assert reprs
+    reprs = [r["Repr"] for r in _trial_actor_rows(seen)]
+    assert reprs and len(reprs) == len(seen["trial_actors"])  # each actor the sweep started has its row
     started_for = [STARTED_FOR.fullmatch(text) for text in reprs]
     assert all(started_for), reprs
     assert {m.group(1) for m in started_for} <= trials
@@ -135,7 +146,7 @@ def test_each_trial_actor_row_names_a_trial_of_the_sweep(seen):
 def test_the_trial_actors_logs_name_every_trial_they_served_and_its_bucket(seen):
     # reuse_actors: an actor serves several trials, its repr names the first.
     served = {}
-    for actor in list_actors(address=seen["dashboard"], filters=[("class_name", "=", "ChorusTrainable")]):
+    for actor in seen["trial_actors"]:
         text = "".join(get_log(address=ray.get_runtime_context().gcs_address, actor_id=actor.actor_id, suffix="out",
                                tail=-1))
         served.update(dict(SERVES.findall(text)))

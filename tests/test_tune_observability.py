@@ -19,27 +19,31 @@ from ray.util.state import get_log, list_actors
 from chorus_tune.tune import ChorusTrainable
 from chorus_tune.tune.observe import grafana
 
-from dashboard_support import free_port, ray_head
+from dashboard_support import free_port
 from tune_support import digits_task, run_config
 
 pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    port = free_port()
-    with ray_head(num_cpus=2, metrics_export_port=port, system_config={"metrics_report_interval_ms": 1000}) \
-            as head:
-        # idle_close_s keeps the bucket alive after the sweep, to be inspected.
-        trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, idle_close_s=120.0)
-        results = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.1])},
-                             tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
-                             run_config=run_config(tmp_path_factory.mktemp("obs"), 3)).fit()
-        yield port, results, head.dashboard, head.temp_dir
+def sweep(observed_ray, tmp_path_factory):
+    """The sweep on the observed head (conftest.py), which the browser's module
+    shares: ``trial_actors`` are the trial actors this sweep started."""
+    head, port = observed_ray
+    before = {a.actor_id for a in list_actors(address=head.dashboard, filters=[("class_name", "=", "ChorusTrainable")],
+                                              limit=10_000)}
+    # idle_close_s keeps the bucket alive after the sweep, to be inspected.
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, idle_close_s=120.0)
+    results = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.1])},
+                         tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+                         run_config=run_config(tmp_path_factory.mktemp("obs"), 3)).fit()
+    trial_actors = [a for a in list_actors(address=head.dashboard, filters=[("class_name", "=", "ChorusTrainable")],
+                                           limit=10_000, detail=True) if a.actor_id not in before]
+    yield port, results, head.dashboard, head.temp_dir, trial_actors
 
 
 def test_buckets_are_named_actors_whose_repr_holds_only_what_never_changes(sweep):
-    _, results, dashboard, _ = sweep
+    _, results, dashboard, *_ = sweep
     bucket = results[0].metrics["chorus/bucket"]
     actors = list_actors(address=dashboard, filters=[("class_name", "=", "ChorusBucket")], detail=True)
     ours = [a for a in actors if a.name == bucket]
@@ -49,15 +53,14 @@ def test_buckets_are_named_actors_whose_repr_holds_only_what_never_changes(sweep
 
 
 def test_trial_actors_show_as_chorus_trainable_naming_the_trial_each_started_for(sweep):
-    _, results, dashboard, _ = sweep
-    actors = list_actors(address=dashboard, filters=[("class_name", "=", "ChorusTrainable")], detail=True)
+    _, results, _, _, actors = sweep
     # No reuse_actors here: one actor per trial.
     assert sorted(a.repr_name for a in actors) == sorted(f"ChorusTrainable(started for trial {r.metrics['trial_id']})"
                                                          for r in results)
 
 
 def test_the_bucket_log_has_a_status_line_per_iteration(sweep):
-    _, results, dashboard, _ = sweep
+    _, results, dashboard, *_ = sweep
     bucket = results[0].metrics["chorus/bucket"]
     actor = list_actors(address=dashboard, filters=[("name", "=", bucket)])[0]
     text = "".join(get_log(address=ray.get_runtime_context().gcs_address, actor_id=actor.actor_id, suffix="out",
@@ -105,7 +108,7 @@ def test_every_metric_the_grafana_dashboard_reads_is_exported_by_a_live_bucket(s
 
 
 def test_the_grafana_dashboard_installs_beside_rays_own_in_the_running_session(sweep):
-    *_, temp_dir = sweep
+    _, _, _, temp_dir, _ = sweep
     installed = grafana.install(temp_dir)
     # Ray's own dashboards are provisioned from the same folder.
     assert any(p.name.startswith("default_grafana_dashboard") for p in installed.parent.iterdir())
