@@ -270,6 +270,43 @@ def test_a_compaction_waits_for_the_running_iteration_and_renumbers_slots():
     assert d3["val_loss"] == pytest.approx(reference_history("d", 3)[-1]["val_loss"], rel=RTOL)
 
 
+async def _two_trained_members_of_four_slots():
+    """A bucket of 4 slots whose members a and b have trained an iteration."""
+    bucket = make_bucket(4)
+    await seat(bucket, "ab", Plan(run_ahead=1))
+    await asyncio.gather(bucket.next_result("a"), bucket.next_result("b"))
+    return bucket
+
+
+def test_a_compaction_goes_ahead_when_the_pool_holds_the_members_in_slots():
+    async def scenario():
+        bucket = await _two_trained_members_of_four_slots()
+        return await bucket.compact(["b", "a"]), bucket
+
+    capacity, bucket = asyncio.run(scenario())
+    assert capacity == 2 and bucket.core.capacity == 2
+
+
+def test_a_compaction_is_refused_while_a_leave_the_pool_sent_is_on_its_way():
+    # The pool let b go and offers its slot; shrunk to a and b, the bucket
+    # would have no slot for the member the pool places there next.
+    async def scenario():
+        bucket = await _two_trained_members_of_four_slots()
+        return await bucket.compact(["a"]), bucket
+
+    capacity, bucket = asyncio.run(scenario())
+    assert capacity is None and bucket.core.capacity == 4
+
+
+def test_a_compaction_is_refused_while_a_join_the_pool_sent_is_on_its_way():
+    async def scenario():
+        bucket = await _two_trained_members_of_four_slots()
+        return await bucket.compact(["a", "b", "c"]), bucket
+
+    capacity, bucket = asyncio.run(scenario())
+    assert capacity is None and bucket.core.capacity == 4
+
+
 def test_a_member_whose_model_cannot_be_built_fails_alone_with_the_factorys_error():
     async def scenario():
         bucket = make_bucket(2)

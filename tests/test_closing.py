@@ -2,7 +2,6 @@
 from chorus_tune.tune.execution.closing import (
     Watches,
     compact_after_s,
-    compacted,
     compaction_due,
     idle_close_s,
     stays_idle,
@@ -107,16 +106,75 @@ def test_a_bucket_not_placed_does_not_compact():
 
 def test_a_compacted_bucket_has_the_capacity_it_compacted_to():
     placement, name = bucket_of(["m1"])
-    assert compacted(placement, name, 1) and placement.buckets[name].capacity == 1
+    assert placement.begin_compaction(name) == ["m1"]
+    placement.end_compaction(name, 1)
+    assert placement.buckets[name].capacity == 1 and placement.buckets[name].free == 0
 
 
 def test_a_bucket_that_did_not_compact_keeps_its_capacity():
     placement, name = bucket_of(["m1"])
-    assert not compacted(placement, name, None) and placement.buckets[name].capacity == 4
+    placement.begin_compaction(name)
+    placement.end_compaction(name, None)
+    assert placement.buckets[name].capacity == 4 and placement.buckets[name].free == 3
 
 
 def test_a_bucket_closed_while_it_compacted_is_not_recorded():
     placement, name = bucket_of(["m1"])
+    placement.begin_compaction(name)
     placement.remove("m1")
     placement.close(name)
-    assert not compacted(placement, name, 1)
+    placement.end_compaction(name, 1)
+    assert name not in placement.buckets
+
+
+def test_a_compacting_bucket_is_not_due_to_compact_again():
+    placement, name = bucket_of(["m1"])
+    assert placement.begin_compaction(name) is not None
+    assert not compaction_due(placement, name) and placement.begin_compaction(name) is None
+
+
+def test_a_compacting_bucket_offers_no_slot_and_its_key_waits_instead_of_opening_a_bucket():
+    # Seen in the suite: a member placed in a slot the compaction was removing
+    # could not join ("bucket is full") and its trial failed.
+    placement, name = bucket_of(["m1"])
+    placement.begin_compaction(name)
+    assert placement.free_slots(KEY) == 0
+    assert placement.request("m2", KEY, 4) is None and placement.is_waiting("m2")
+    assert list(placement.buckets) == [name]
+
+
+def test_a_trial_that_waited_for_a_compaction_is_placed_when_it_ends():
+    placement, name = bucket_of(["m1", "m2"])
+    placement.begin_compaction(name)
+    placement.request("m3", KEY, 4)
+    update = placement.end_compaction(name, None)  # refused: the slots are offered again
+    assert [(p.trial_id, p.bucket) for p in update.placed] == [("m3", name)]
+
+
+def test_a_trial_that_waited_for_a_compaction_that_left_no_slot_gets_a_new_bucket():
+    placement, name = bucket_of(["m1"])
+    placement.begin_compaction(name)
+    placement.request("m2", KEY, 4)
+    update = placement.end_compaction(name, 1)
+    (placed,) = update.placed
+    assert placed.trial_id == "m2" and placed.opened and placed.bucket != name
+
+
+def test_a_member_leaving_while_its_bucket_compacts_frees_its_slot_once_the_compaction_ends():
+    # The pool removes a member before its bucket hears of it: compacted to the
+    # two it held when the compaction began, the bucket then has a free slot.
+    placement, name = bucket_of(["m1", "m2"])
+    assert placement.begin_compaction(name) == ["m1", "m2"]
+    placement.remove("m2")
+    assert placement.free_slots(KEY) == 0
+    placement.end_compaction(name, 2)
+    assert placement.free_slots(KEY) == 1
+
+
+def test_a_waiting_trial_never_takes_another_key_s_budget_while_its_own_bucket_compacts():
+    other = KEY._replace(model_name="CNN", structural_key=("cnn",))
+    placement, name = bucket_of(["m1"], max_buckets=2)
+    placement.request("x", other, 4)
+    placement.remove("x")  # the other key's bucket is idle
+    placement.begin_compaction(name)
+    assert placement.request("m2", KEY, 4) is None and len(placement.buckets) == 2

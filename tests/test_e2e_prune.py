@@ -61,7 +61,8 @@ def sweep(tmp_path_factory):
                                   callbacks=[recorder]),
     )
     results = tuner.fit()
-    ours = {r.metrics["chorus/bucket"] for r in results}  # the shared pool also holds earlier modules' buckets
+    # The shared pool also holds earlier modules' buckets (a trial that errored may have reported none).
+    ours = {r.metrics.get("chorus/bucket") for r in results}
     stats = {name: s for name, s in bucket_stats().items() if name in ours}
     yield task, results, recorder, stats, _trial_actors() - before
 

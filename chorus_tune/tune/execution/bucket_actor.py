@@ -338,13 +338,19 @@ class ChorusBucket:
             raise MemberError(f"bucket {self.name} holds no state of member {member}")
         return None if state is None else state_io.dumps(state)
 
-    async def compact(self) -> int | None:
+    async def compact(self, expected: list[str] | None = None) -> int | None:
         """Shrink to the members in slots, between iterations: finished slots
         stop costing compute. Refused (``None``) while a member waits to be
-        built. Returns the new capacity."""
+        built, and when ``expected`` (the members the pool holds here) are not
+        exactly the members in slots: a leave or a join the pool sent is still
+        on its way (Ray does not order an async actor's calls), and shrinking
+        to this bucket's count would leave the pool offering a slot that does
+        not exist. Returns the new capacity."""
         self._start()
         async with self._lock:
             if self.book.reserved() or not self.book.in_slots():
+                return None
+            if expected is not None and {r.member for r in self.book.in_slots()} != set(expected):
                 return None
             if len(self.book.in_slots()) == self.core.capacity:
                 return self.core.capacity

@@ -61,15 +61,6 @@ def compaction_due(placement: Placement | None, name: str) -> bool:
     its options let it compact, and :func:`~.grouping.should_compact` says so
     with the members of its key waiting for a slot."""
     record = placement.buckets.get(name) if placement is not None else None
-    if record is None or not record.key.options.compact:
+    if record is None or not record.key.options.compact or record.compacting:
         return False
     return should_compact(record.capacity, len(record.members), placement.waiting_for(record.key))
-
-
-def compacted(placement: Placement, name: str, capacity: int | None) -> bool:
-    """Bucket ``name`` compacted to ``capacity`` slots (``None``: it did not):
-    its record says so, if it is still open. Whether it was."""
-    if capacity is None or name not in placement.buckets:
-        return False
-    placement.buckets[name].capacity = capacity
-    return True

@@ -11,7 +11,11 @@ Rules (docs/design.md D2, D9):
 - an empty bucket is closed at once when a waiting trial needs its budget,
   whether the trial came first or the bucket emptied first, else left open
   for a while for a trial of its own key (the pool closes it after an idle
-  grace period).
+  grace period);
+- a bucket that is compacting offers no slot until its new capacity is known,
+  and a trial of its key waits for that rather than opening another bucket.
+  Its slots are the bucket actor's to count then: a trial placed in a slot the
+  compaction was removing could not join ("bucket is full"), and failed.
 """
 from __future__ import annotations
 
@@ -29,10 +33,11 @@ class BucketRecord:
     capacity: int
     members: list[str] = field(default_factory=list)
     ever: list[str] = field(default_factory=list)  # every trial it ever held, in order
+    compacting: bool = False  # between begin_compaction and end_compaction: no free slot
 
     @property
     def free(self) -> int:
-        return self.capacity - len(self.members)
+        return 0 if self.compacting else self.capacity - len(self.members)
 
 
 @dataclass(frozen=True)
@@ -133,12 +138,34 @@ class Placement:
         update = self._settle()
         return list(record.members), update
 
+    def begin_compaction(self, name: str) -> list[str] | None:
+        """Bucket ``name`` starts to compact: it offers no slot until
+        :meth:`end_compaction`. Returns the members it holds now, which the
+        bucket actor must hold in its slots too for the compaction to go
+        ahead; ``None`` when it is not open or already compacting."""
+        record = self.buckets.get(name)
+        if record is None or record.compacting:
+            return None
+        record.compacting = True
+        return list(record.members)
+
+    def end_compaction(self, name: str, capacity: int | None) -> Update:
+        """Bucket ``name`` compacted to ``capacity`` slots (``None``: it did
+        not, and keeps its capacity): its slots are offered again, and the
+        trials that waited meanwhile are placed. Safe for a bucket closed meanwhile."""
+        record = self.buckets.get(name)
+        if record is not None:
+            record.compacting = False
+            if capacity is not None:
+                record.capacity = capacity
+        return self._settle()
+
     # ----- internals --------------------------------------------------------------------------------
     def _try_place(self, trial_id: str, key: Hashable, capacity: int) -> Placed | None:
         for record in self.buckets.values():
             if record.key == key and record.free > 0:
                 return self._put(trial_id, record, opened=False)
-        if not self.can_open():
+        if not self.can_open() or self._compacting(key):
             return None
         self._opened += 1
         record = BucketRecord(f"{self.prefix}-{self._opened}", key, capacity)
@@ -149,12 +176,16 @@ class Placement:
         """No slot and no budget: an empty bucket of another key gives its budget
         up to ``trial_id`` (it leaves the placement; ``Placed.replaces`` names it)."""
         empty = next((r for r in self.buckets.values() if not r.members and r.key != key), None)
-        if empty is None or (self.max_buckets is not None and len(self.buckets) - 1 >= self.max_buckets):
+        if empty is None or self._compacting(key) or (
+                self.max_buckets is not None and len(self.buckets) - 1 >= self.max_buckets):
             return None
         self.buckets.pop(empty.name)
         placed = self._try_place(trial_id, key, capacity)
         assert placed is not None, "a bucket's budget was freed for it"
         return replace(placed, replaces=empty.name)
+
+    def _compacting(self, key: Hashable) -> bool:
+        return any(r.key == key and r.compacting for r in self.buckets.values())
 
     def _put(self, trial_id: str, record: BucketRecord, opened: bool) -> Placed:
         record.members.append(trial_id)

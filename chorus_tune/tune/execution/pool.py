@@ -33,7 +33,7 @@ from ray.exceptions import RayActorError
 
 from ..observe.actor_log import log_to_actor_stdout
 from .bucket_history import BucketHistory
-from .closing import Watches, compact_after_s, compacted, compaction_due, idle_close_s, stays_idle
+from .closing import Watches, compact_after_s, compaction_due, idle_close_s, stays_idle
 from .cluster import node_cpus, pool_scheduling_strategy
 from .grouping import GroupKey, split_from
 from .members import Plan
@@ -58,6 +58,7 @@ _JOB_POLL_S = 2.0
 _DRAIN_POLL_S = 0.2
 # Why a member left, in its bucket's history: an earlier run seated it and no trial ever read it.
 UNREAD_AT_NEW_RUN = "unread when a new run started"
+_COMPACT_TRIES = 3  # a compaction the bucket refuses is tried this often in all (its membership was moving)
 _REALIZE_WAIT_S = 5.0  # reserve waits this long for its bucket, then the trial waits in await_placement
 
 
@@ -627,18 +628,30 @@ class ChorusPool:
         # Later, not now: a bucket must not shrink under the member that refills it.
         asyncio.get_running_loop().create_task(self._maybe_compact(name, compact_after_s(self.placement, name)))
 
-    async def _maybe_compact(self, name: str, delay_s: float = 0.0) -> None:
+    async def _maybe_compact(self, name: str, delay_s: float = 0.0, tries: int = _COMPACT_TRIES) -> None:
         await asyncio.sleep(delay_s)
         handle = self.handles.get(name)
         if handle is None or not compaction_due(self.placement, name):
             return
+        # The bucket offers no slot while it compacts (placement.py): placed in
+        # one that the compaction removed, a member could not join.
+        before = self.placement.buckets[name].capacity
+        expected = self.placement.begin_compaction(name)
+        capacity = None
         try:
-            capacity = await handle.compact.remote()
+            capacity = await handle.compact.remote(expected)
         except RayActorError:
-            return
-        if compacted(self.placement, name, capacity):
+            pass
+        finally:
+            update = self.placement.end_compaction(name, capacity)
+        if capacity is not None and capacity != before and name in self.placement.buckets:
             logger.info("pool: bucket %s compacted to %d", name, capacity)
             self.history.compacted(name, capacity)
+        await self._apply(update)
+        if capacity is None and tries > 1 and name in self.handles:
+            # Refused: a leave or join is still on its way to it. Looked at again shortly.
+            asyncio.get_running_loop().create_task(
+                self._maybe_compact(name, compact_after_s(self.placement, name), tries - 1))
 
     async def bucket_failed(self, name: str) -> None:
         """A trainable saw bucket ``name`` die: forget it now (its death watch may be later)."""
