@@ -210,6 +210,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def trial_actors(dashboard: str) -> list:
+    """Every ``ChorusTrainable`` actor the state API of ``dashboard`` lists, alive or not, with details."""
+    from ray.util.state import list_actors
+
+    return list_actors(address=dashboard, filters=[("class_name", "=", "ChorusTrainable")], limit=10_000,
+                       detail=True)
+
+
 def auth_token() -> str:
     """What ``ray get-auth-token`` prints: the README tells a user to run it
     (``--generate`` makes one where the machine has none yet, as a first

@@ -26,7 +26,7 @@ from chorus_tune.tune import ChorusTrainable
 from chorus_tune.tune.execution.pool import NAMESPACE
 from chorus_tune.tune.search.search import ChorusSearch
 
-from dashboard_support import TABLE_ROWS_JS, Chromium, find_chromium, login
+from dashboard_support import TABLE_ROWS_JS, Chromium, find_chromium, login, trial_actors
 from tune_support import digits_task, run_config
 
 CHROMIUM = find_chromium()
@@ -46,11 +46,6 @@ STARTED_FOR = re.compile(r"^ChorusTrainable\(started for trial (\S+)\)$")
 SERVES = re.compile(r"trial (\S+) reads member \S+ in bucket (\S+)$", re.MULTILINE)
 
 
-def _trial_actors(dashboard: str) -> list:
-    return list_actors(address=dashboard, filters=[("class_name", "=", "ChorusTrainable")], limit=10_000,
-                       detail=True)
-
-
 @pytest.fixture(scope="module")
 def seen(observed_ray, tmp_path_factory):
     """The sweep, the live bucket, the trial actors the sweep started, and what
@@ -58,7 +53,7 @@ def seen(observed_ray, tmp_path_factory):
     tests/test_tune_observability.py, whose sweep's actors may be there too."""
     head, _ = observed_ray
     dashboard, token = head.dashboard, head.token
-    before = {a.actor_id for a in _trial_actors(dashboard)}
+    before = {a.actor_id for a in trial_actors(dashboard)}
     task = digits_task(batch_size=BATCH)
     # idle_close_s keeps the bucket alive after the sweep, to be looked at.
     trainable = ChorusTrainable.for_task(task, bucket_size=BUCKET, max_buckets=1, idle_close_s=300.0)
@@ -82,9 +77,9 @@ def seen(observed_ray, tmp_path_factory):
         rows = browser.evaluate(TABLE_ROWS_JS)
         browser.screenshot(shot)
     live = ray.get(handle.describe.remote())
-    trial_actors = [a for a in _trial_actors(dashboard) if a.actor_id not in before]
+    started = [a for a in trial_actors(dashboard) if a.actor_id not in before]
     return {"results": results, "bucket": bucket, "live": live, "rows": rows, "login": status,
-            "screenshot": shot, "dashboard": dashboard, "trial_actors": trial_actors}
+            "screenshot": shot, "dashboard": dashboard, "trial_actors": started}
 
 
 def _table(rows: list[list[str]]) -> list[dict[str, str]]:

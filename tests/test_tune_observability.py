@@ -19,7 +19,7 @@ from ray.util.state import get_log, list_actors
 from chorus_tune.tune import ChorusTrainable
 from chorus_tune.tune.observe import grafana
 
-from dashboard_support import free_port
+from dashboard_support import free_port, trial_actors
 from tune_support import digits_task, run_config
 
 pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
@@ -28,18 +28,16 @@ pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves
 @pytest.fixture(scope="module")
 def sweep(observed_ray, tmp_path_factory):
     """The sweep on the observed head (conftest.py), which the browser's module
-    shares: ``trial_actors`` are the trial actors this sweep started."""
+    shares; last, the trial actors this sweep started."""
     head, port = observed_ray
-    before = {a.actor_id for a in list_actors(address=head.dashboard, filters=[("class_name", "=", "ChorusTrainable")],
-                                              limit=10_000)}
+    before = {a.actor_id for a in trial_actors(head.dashboard)}
     # idle_close_s keeps the bucket alive after the sweep, to be inspected.
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, idle_close_s=120.0)
     results = tune.Tuner(trainable, param_space={"lr": tune.grid_search([0.05, 0.1])},
                          tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
                          run_config=run_config(tmp_path_factory.mktemp("obs"), 3)).fit()
-    trial_actors = [a for a in list_actors(address=head.dashboard, filters=[("class_name", "=", "ChorusTrainable")],
-                                           limit=10_000, detail=True) if a.actor_id not in before]
-    yield port, results, head.dashboard, head.temp_dir, trial_actors
+    started = [a for a in trial_actors(head.dashboard) if a.actor_id not in before]
+    yield port, results, head.dashboard, head.temp_dir, started
 
 
 def test_buckets_are_named_actors_whose_repr_holds_only_what_never_changes(sweep):
