@@ -91,19 +91,38 @@ class _Results(Callback):
         self.val_loss.setdefault(trial.trial_id, {})[result["training_iteration"]] = result["val_loss"]
 
 
+# Clone and donor may train their last iterations in different buckets, one on
+# vmap and one on the eager loop, which sum in another order: measured over 4
+# iterations of this sweep (lr 0.5, momentum 0.9), the two routes' weights
+# differ by at most 6e-7 of each tensor's largest entry and their momentum
+# buffers by at most 3e-6 (up to 6e-7 absolute on entries near zero, which an
+# elementwise rtol=1e-5, atol=1e-7 refused: a full local run failed so). A
+# clone that lost the donor's momentum is off by far more: restored with its
+# buffers zeroed and trained 2 iterations on, every tensor was at least 0.3 of
+# its scale from the true clone's.
+SAME_STATE_TOL = 1e-5
+
+
+def _assert_close_to_scale(ours: torch.Tensor, theirs: torch.Tensor, what: str) -> None:
+    """Largest difference within SAME_STATE_TOL of the tensor's largest entry."""
+    scale = theirs.abs().max().item()
+    worst = (ours - theirs).abs().max().item()
+    assert worst <= SAME_STATE_TOL * max(scale, 1e-12), f"{what}: {worst:.3g} apart, scale {scale:.3g}"
+
+
 def _assert_same_member_state(ours: dict, donor: dict) -> None:
     """Weights, optimizer state (each tensor), counters and data order alike."""
     assert ours["model"].keys() == donor["model"].keys()
     for name in ours["model"]:
-        torch.testing.assert_close(ours["model"][name], donor["model"][name], rtol=1e-5, atol=1e-7, msg=name)
+        _assert_close_to_scale(ours["model"][name], donor["model"][name], name)
     a, b = ours["optimizer"], donor["optimizer"]
     assert (a["family"], a["step"], a["has_buffer"]) == (b["family"], b["step"], b["has_buffer"])
     assert a["tensors"].keys() == b["tensors"].keys()
     for name in a["tensors"]:
         assert a["tensors"][name].keys() == b["tensors"][name].keys()
         for state_name in a["tensors"][name]:
-            torch.testing.assert_close(a["tensors"][name][state_name], b["tensors"][name][state_name],
-                                       rtol=1e-5, atol=1e-7, msg=f"{name} {state_name}")
+            _assert_close_to_scale(a["tensors"][name][state_name], b["tensors"][name][state_name],
+                                   f"{name} {state_name}")
     assert (ours["iteration"], ours["step"]) == (donor["iteration"], donor["step"])
     assert torch.equal(ours["data"]["perm"], donor["data"]["perm"]) and ours["data"]["pos"] == donor["data"]["pos"]
     assert torch.equal(ours["data"]["generator"], donor["data"]["generator"])

@@ -21,32 +21,43 @@ def make_trainable():
     return ChorusTrainable.for_task(digits_task(), bucket_size=4)
 
 
-def _state_settled(experiment_dir: str, trials: int, quiet_s: float = 0.5) -> bool:
-    """Whether the experiment state Tune synced to ``experiment_dir`` lists
-    ``trials`` trials, parses whole, and has not changed for ``quiet_s``."""
-    for path in glob.glob(os.path.join(experiment_dir, "experiment_state-*.json")):
+def _state_settled(staging_dir: str, experiment_dir: str, trials: int, quiet_s: float = 0.5) -> bool:
+    """Whether the experiment state in the storage path ``experiment_dir`` is
+    the driver's last word: the same bytes as Tune's own copy in
+    ``staging_dir`` (which it uploads from, in a background thread), written
+    after that copy, unchanged for ``quiet_s``, listing ``trials`` trials.
+
+    "Written after" is what makes a kill safe: this runs in a callback, which
+    holds Tune's loop, so no state is saved and no upload launched meanwhile,
+    but one launched after the last save may not have reached the file yet,
+    and a kill while it writes leaves the file cut short (a full run saw
+    "Failed to restore the run state": JSONDecodeError at char 60218, with
+    the older check, which looked at the storage copy alone)."""
+    for local in glob.glob(os.path.join(staging_dir, "experiment_state-*.json")):
+        stored = os.path.join(experiment_dir, os.path.basename(local))
         try:
-            if time.time() - os.path.getmtime(path) < quiet_s:
+            written = os.path.getmtime(stored)
+            if written < os.path.getmtime(local) or time.time() - written < quiet_s:
                 continue
-            with open(path) as f:
-                if len(json.load(f)["trial_data"]) == trials:
-                    return True
+            with open(local, "rb") as f:
+                ours = f.read()
+            with open(stored, "rb") as f:
+                theirs = f.read()
+            if ours == theirs and len(json.loads(theirs)["trial_data"]) == trials:
+                return True
         except (OSError, ValueError, KeyError):
-            continue  # being written
+            continue  # not there yet, or being written
     return False
 
 
 class _Slow(Callback):
     """Slows the run so that it can be stopped mid-way, and says when: after
-    six results, once the experiment state written after the last step has
-    settled in the storage path (a kill mid-write would leave an empty state
-    file; a fixed 2 s wait was not always enough in a full suite run: the
-    restore then found 1 trial of 3, "Failed to restore the run state")."""
+    six results, once the experiment state written after the last step is
+    whole in the storage path (see ``_state_settled``; a fixed 2 s wait was
+    not always enough in a full suite run: the restore then found 1 trial of
+    3, "Failed to restore the run state")."""
 
     results = 0
-
-    def __init__(self, experiment_dir: str = ""):
-        self.experiment_dir = experiment_dir
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         # Tuner.restore brings this callback back in the test's own driver: inert there.
@@ -55,7 +66,10 @@ class _Slow(Callback):
         self.results += 1
         if self.results == 6:
             deadline = time.monotonic() + 30
-            while not _state_settled(self.experiment_dir, len(trials)) and time.monotonic() < deadline:
+            while not _state_settled(trial.local_experiment_path, trial.remote_experiment_path, len(trials)):
+                if time.monotonic() > deadline:
+                    print("state not settled after 30 s: killing anyway", file=sys.stderr, flush=True)
+                    break
                 time.sleep(0.1)
             print("KILL ME", flush=True)
             time.sleep(60)
@@ -70,7 +84,7 @@ def main(address: str, storage: str) -> None:
         tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
         run_config=tune.RunConfig(name="restore_me", storage_path=storage, verbose=0,
                                   stop={"training_iteration": 6},
-                                  callbacks=[_Slow(os.path.join(storage, "restore_me"))],
+                                  callbacks=[_Slow()],
                                   checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1)))
     tuner.fit()
 
