@@ -21,8 +21,10 @@ setup: $(VENV)/.installed
 demo: setup
 	$(BIN)/python examples/quickstart.py
 
+# The Ray tests and the Ray-free tests at once, in two pytests (tests/run_suite.sh says why);
+# PYTEST_ARGS go to both.
 test: setup lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	PY=$(BIN)/python bash tests/run_suite.sh $(PYTEST_ARGS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -40,8 +40,34 @@ def test_a_request_over_budget_takes_the_budget_of_an_idle_bucket_of_another_key
     p.request("t1", "k1", 2)
     p.remove("t1")  # idle: open for a member of k1, nobody waiting
     placed = p.request("t2", "k2", 2)
-    assert (placed.bucket, placed.opened, placed.replaces) == ("chorus-bucket-2", True, "chorus-bucket-1")
+    assert (placed.bucket, placed.opened, placed.replaces) == ("chorus-bucket-2", True, ("chorus-bucket-1",))
     assert list(p.buckets) == ["chorus-bucket-2"] and not p.is_waiting("t2")
+
+
+def test_a_request_under_a_budget_that_shrank_takes_as_many_idle_buckets_as_it_needs_at_once():
+    # A run at max_buckets=1 after one that left two empty buckets open.
+    p = Placement(max_buckets=2)
+    p.request("t1", "k1", 2)
+    p.request("t2", "k2", 2)
+    p.remove("t1")
+    p.remove("t2")
+    p.max_buckets = 1
+    placed = p.request("t3", "k3", 2)
+    assert placed.replaces == ("chorus-bucket-1", "chorus-bucket-2") and placed.opened
+    assert list(p.buckets) == ["chorus-bucket-3"] and not p.is_waiting("t3")
+
+
+def test_a_request_under_a_budget_that_shrank_waits_while_too_few_buckets_are_idle():
+    p = Placement(max_buckets=2)
+    p.request("t1", "k1", 2)
+    p.request("t2", "k2", 2)
+    p.remove("t1")
+    p.max_buckets = 1
+    assert p.request("t3", "k3", 2) is None and p.is_waiting("t3")
+    assert list(p.buckets) == ["chorus-bucket-1", "chorus-bucket-2"]  # nothing closed for nothing
+    update = p.remove("t2")
+    assert update.closed == ["chorus-bucket-1", "chorus-bucket-2"]
+    assert [(x.trial_id, x.bucket, x.opened) for x in update.placed] == [("t3", "chorus-bucket-3", True)]
 
 
 def test_a_request_over_budget_waits_while_every_bucket_has_members():
@@ -56,7 +82,7 @@ def test_a_request_within_budget_opens_a_bucket_and_leaves_the_idle_one_open():
     p.request("t1", "k1", 2)
     p.remove("t1")
     placed = p.request("t2", "k2", 2)
-    assert placed.replaces is None and list(p.buckets) == ["chorus-bucket-1", "chorus-bucket-2"]
+    assert placed.replaces == () and list(p.buckets) == ["chorus-bucket-1", "chorus-bucket-2"]
 
 
 def test_empty_bucket_with_no_one_waiting_stays_open_as_idle():

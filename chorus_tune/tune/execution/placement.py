@@ -45,7 +45,9 @@ class Placed:
     trial_id: str
     bucket: str
     opened: bool  # the bucket is new: the pool must create its actor
-    replaces: str | None = None  # the empty bucket of another key whose budget it took: the pool closes it
+    # The empty buckets of other keys whose budget it took (several where the
+    # budget shrank below the buckets open): the pool closes them.
+    replaces: tuple[str, ...] = ()
 
 
 @dataclass
@@ -173,16 +175,25 @@ class Placement:
         return self._put(trial_id, record, opened=True)
 
     def _take_empty_budget(self, trial_id: str, key: Hashable, capacity: int) -> Placed | None:
-        """No slot and no budget: an empty bucket of another key gives its budget
-        up to ``trial_id`` (it leaves the placement; ``Placed.replaces`` names it)."""
-        empty = next((r for r in self.buckets.values() if not r.members and r.key != key), None)
-        if empty is None or self._compacting(key) or (
-                self.max_buckets is not None and len(self.buckets) - 1 >= self.max_buckets):
+        """No slot and no budget: empty buckets of other keys give their budget
+        up to ``trial_id``, oldest first, as many as opening one bucket needs
+        (they leave the placement; ``Placed.replaces`` names them). More than
+        one where the budget shrank below the buckets open: a run at
+        ``max_buckets=1`` after one that opened two found one empty bucket not
+        enough, and its first trials waited out the other's idle grace period
+        (5 s) although both were empty."""
+        if self._compacting(key):
             return None
-        self.buckets.pop(empty.name)
+        empty = [r.name for r in self.buckets.values() if not r.members and r.key != key]
+        needed = 1 if self.max_buckets is None else len(self.buckets) - self.max_buckets + 1
+        if not empty or needed > len(empty):
+            return None
+        taken = tuple(empty[:max(1, needed)])
+        for name in taken:
+            self.buckets.pop(name)
         placed = self._try_place(trial_id, key, capacity)
         assert placed is not None, "a bucket's budget was freed for it"
-        return replace(placed, replaces=empty.name)
+        return replace(placed, replaces=taken)
 
     def _compacting(self, key: Hashable) -> bool:
         return any(r.key == key and r.compacting for r in self.buckets.values())
@@ -202,7 +213,6 @@ class Placement:
             if placed is not None:
                 del self._waiting[trial_id]
                 update.placed.append(placed)
-                if placed.replaces is not None:
-                    update.closed.append(placed.replaces)
+                update.closed.extend(placed.replaces)
         update.idle = [r.name for r in self.buckets.values() if not r.members]
         return update

@@ -388,9 +388,9 @@ class ChorusPool:
         """The placement's answer for ``member``; an empty bucket of another key
         whose budget it took closes once its trials have read every result."""
         placed = self.placement.request(member, key, size)
-        if placed is not None and placed.replaces is not None:
-            logger.info("pool: %s takes the budget of idle bucket %s", member, placed.replaces)
-            asyncio.get_running_loop().create_task(self._close_when_drained(placed.replaces))
+        for empty in placed.replaces if placed is not None else ():
+            logger.info("pool: %s takes the budget of idle bucket %s", member, empty)
+            asyncio.get_running_loop().create_task(self._close_when_drained(empty))
         return placed
 
     def _realize_all(self, placements: list[Placed]) -> None:
