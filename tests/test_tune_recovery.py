@@ -164,8 +164,13 @@ def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead, reuse_
         expected = _reference_losses(task, {"lr": 0.5, "momentum": 0.9}, final[d]["seed"], 4)
         assert [seen.val_loss[d][i] for i in (1, 2, 3, 4)] == pytest.approx(expected, rel=1e-5)
     for t in exploited:
+        # rel=SAME_STATE_TOL, not tighter: on different routes the same member's
+        # val_loss drifts apart by up to 5e-7 in 4 iterations at lr 0.5 (measured),
+        # and a full run failed at 1e-6; two donors (other seeds) are far further
+        # apart (1.62 against 0.79 at iteration 3 in that measurement).
         after = [seen.val_loss[t][i] for i in (3, 4)]
-        donor = [d for d in donors if after == pytest.approx([seen.val_loss[d][i] for i in (3, 4)], rel=1e-6)]
+        donor = [d for d in donors
+                 if after == pytest.approx([seen.val_loss[d][i] for i in (3, 4)], rel=SAME_STATE_TOL)]
         assert donor, f"trial {t} follows no donor after the exploit"
         _assert_same_member_state(final[t], final[donor[0]])
 
