@@ -8,6 +8,11 @@
 # sweeps waiting on a bucket or a timeout: 377 of 1,560 core-seconds idle in a
 # full run measured here), while the Ray-free tests (86 s alone, about 70
 # CPU-seconds, mostly one thread) need no Ray and fit in those gaps.
+# Tried and measured, not kept (the first pytest's time; 601 s as it is):
+# the fake clusters in the second pytest too, 654 s (their raylets kept both
+# cores busy); the dashboard head's modules there instead, 631 s; the fake
+# clusters last in the first pytest, so that the Ray-free tests run beside the
+# local Ray's tests only, 656 s. Runs here vary by tens of seconds.
 #
 # Arguments go to both pytests (`make test PYTEST_ARGS=...`). pytest exits 5
 # when it collected nothing: that is fine for one half (arguments that select
