@@ -188,7 +188,7 @@ class Placement:
         needed = 1 if self.max_buckets is None else len(self.buckets) - self.max_buckets + 1
         if not empty or needed > len(empty):
             return None
-        taken = tuple(empty[:max(1, needed)])
+        taken = tuple(empty[:needed])  # needed >= 1: _try_place found no budget (or max_buckets is None)
         for name in taken:
             self.buckets.pop(name)
         placed = self._try_place(trial_id, key, capacity)
