@@ -107,3 +107,74 @@ def test_closing_a_dead_bucket_returns_its_trials_and_places_waiters():
     members, update = p.close("chorus-bucket-1")
     assert members == ["t1"] and p.bucket_of("t1") is None
     assert [(x.trial_id, x.bucket, x.opened) for x in update.placed] == [("t2", "chorus-bucket-2", True)]
+
+
+# ----- rebinding: an idle bucket that may host the new key takes it (docs/design.md D2) ---------
+def same_size(old_key, old_size, new_key, new_size) -> bool:
+    return old_size == new_size
+
+
+def test_an_idle_bucket_that_may_host_the_key_is_rebound_rather_than_a_bucket_opened_beside_it():
+    p = Placement(max_buckets=2, rebinds=same_size)
+    p.request("t1", "k1", 2)
+    p.remove("t1")
+    placed = p.request("t2", "k2", 2)
+    assert (placed.bucket, placed.opened, placed.rebound, placed.replaces) == ("chorus-bucket-1", False, True, ())
+    assert list(p.buckets) == ["chorus-bucket-1"] and p.buckets["chorus-bucket-1"].key == "k2"
+    assert p.bucket_of("t2") == "chorus-bucket-1" and p.free_slots("k2") == 1 and p.free_slots("k1") == 0
+
+
+def test_an_idle_bucket_that_may_not_host_the_key_stays_idle_and_a_bucket_opens_beside_it():
+    p = Placement(max_buckets=2, rebinds=same_size)
+    p.request("t1", "k1", 2)
+    p.remove("t1")
+    placed = p.request("t2", "k2", 4)
+    assert (placed.bucket, placed.opened, placed.rebound) == ("chorus-bucket-2", True, False)
+    assert p.buckets["chorus-bucket-1"].key == "k1"
+
+
+def test_a_bucket_with_a_member_is_never_rebound():
+    p = Placement(max_buckets=1, rebinds=same_size)
+    p.request("t1", "k1", 2)
+    assert p.request("t2", "k2", 2) is None and p.is_waiting("t2")
+    assert p.buckets["chorus-bucket-1"].key == "k1"
+
+
+def test_a_waiting_trial_rebinds_the_bucket_whose_last_member_leaves():
+    p = Placement(max_buckets=1, rebinds=same_size)
+    p.request("t1", "k1", 2)
+    p.request("t2", "k2", 2)
+    update = p.remove("t1")
+    assert update.closed == [] and update.idle == []
+    assert [(x.trial_id, x.bucket, x.opened, x.rebound) for x in update.placed] == [
+        ("t2", "chorus-bucket-1", False, True)]
+
+
+def test_a_bucket_of_the_same_key_is_refilled_not_rebound():
+    p = Placement(max_buckets=2, rebinds=same_size)
+    p.request("t1", "k1", 2)
+    p.remove("t1")
+    placed = p.request("t2", "k1", 2)
+    assert (placed.bucket, placed.opened, placed.rebound) == ("chorus-bucket-1", False, False)
+
+
+def test_a_rebinding_under_a_budget_that_shrank_closes_the_excess_idle_buckets():
+    p = Placement(max_buckets=2, rebinds=same_size)
+    p.request("t1", "k1", 2)
+    p.request("t2", "k2", 2)
+    p.remove("t1")
+    p.remove("t2")
+    p.max_buckets = 1
+    placed = p.request("t3", "k3", 2)
+    assert (placed.bucket, placed.rebound, placed.replaces) == ("chorus-bucket-1", True, ("chorus-bucket-2",))
+    assert list(p.buckets) == ["chorus-bucket-1"]
+
+
+def test_a_rebound_bucket_offers_the_slots_of_its_new_size_after_a_compaction():
+    p = Placement(max_buckets=1, rebinds=same_size)
+    p.request("t1", "k1", 4)
+    p.begin_compaction("chorus-bucket-1")
+    p.end_compaction("chorus-bucket-1", 1)
+    p.remove("t1")
+    placed = p.request("t2", "k2", 4)  # opened at 4: it may host a key of 4, and offers 4 slots again
+    assert placed.rebound and p.buckets["chorus-bucket-1"].capacity == 4 and p.free_slots("k2") == 3
