@@ -47,7 +47,7 @@ def test_buckets_are_named_actors_whose_repr_holds_only_what_never_changes(sweep
     ours = [a for a in actors if a.name == bucket]
     assert len(ours) == 1 and ours[0].state == "ALIVE"
     # Ray captures a repr once, at creation: live state would go stale there.
-    assert ours[0].repr_name == "ChorusBucket(Sequential, bucket_size=4, cpu)"
+    assert ours[0].repr_name == "ChorusBucket(Sequential, cpu)"
 
 
 def test_trial_actors_show_as_chorus_trainable_naming_the_trial_each_started_for(sweep):

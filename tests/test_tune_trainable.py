@@ -298,13 +298,13 @@ def test_the_next_run_trains_in_the_last_run_s_idle_bucket_rebound_in_its_proces
     before = _fit(first, {"lr": tune.grid_search([0.05, 0.1])}, tmp_path / "first", 2, reuse_actors=True)
     name = before[0].metrics[rk.BUCKET]
     pid = ray.get(ray.get_actor(name, namespace=NAMESPACE).describe.remote())["pid"]
-    # Another task (another batch size): another key, of the same model class and bucket size.
+    # Another task (another batch size) and bucket size: another key, of the same model class.
     task = digits_task(batch_size=32)
-    second = ChorusTrainable.for_task(task, bucket_size=2, max_buckets=1, idle_close_s=60.0)
+    second = ChorusTrainable.for_task(task, bucket_size=3, max_buckets=1, idle_close_s=60.0)
     after = _fit(second, {"lr": tune.grid_search([0.05, 0.1])}, tmp_path / "second", 2, reuse_actors=True)
     assert not after.errors and {r.metrics[rk.BUCKET] for r in after} == {name}
     described = ray.get(ray.get_actor(name, namespace=NAMESPACE).describe.remote())
-    assert described["pid"] == pid and described["rebinds"] >= 1
+    assert described["pid"] == pid and described["rebinds"] >= 1 and described["capacity"] == 3
     assert bucket_stats()[name]["rebinds"] >= 1
     for result in after:
         expected, _ = reference.train(task, dict(result.config), result.metrics[rk.SEED], 2)

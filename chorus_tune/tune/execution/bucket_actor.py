@@ -84,8 +84,8 @@ class ChorusBucket:
 
     Created by the pool (named, outside every trial's placement group). Its
     ``repr()`` holds only what never changes (Ray captures it once, at
-    creation, and the dashboard shows it): model class, ``bucket_size``,
-    device. Live state is read where it is read live: :meth:`describe`, the
+    creation, and the dashboard shows it): model class and device. Live
+    state is read where it is read live: :meth:`describe`, the
     ``ray_chorus_*`` metrics, and one status line per iteration in the
     actor's log (:data:`STATUS_LINE`).
     """
@@ -151,7 +151,8 @@ class ChorusBucket:
         """Train another key from now on, in this process, on this device: the
         pool rebinds an empty bucket rather than open a new one beside it
         (docs/design.md D2). Its name, device and ``repr`` stay (the pool
-        rebinds only where the repr stays true, ``grouping.can_rebind``);
+        rebinds only where the repr stays true, ``grouping.can_rebind``); its
+        size is the new key's;
         members, results, counters and the fused stack start afresh. Refused
         while a member is in it or a trial could still read from it."""
         self._start()
@@ -176,8 +177,9 @@ class ChorusBucket:
         self._poke()
 
     def __repr__(self) -> str:
-        # bucket_size, not the slots now: compaction shrinks those.
-        return f"ChorusBucket({self.model_name}, bucket_size={self.options.bucket_size}, {self.device})"
+        # No size: compaction shrinks the slots, and a rebind (same model class,
+        # same resources, any size: grouping.can_rebind) sets them anew.
+        return f"ChorusBucket({self.model_name}, {self.device})"
 
     @property
     def live(self) -> int:

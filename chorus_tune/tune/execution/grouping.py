@@ -22,13 +22,13 @@ class GroupKey(NamedTuple):
 def can_rebind(old: GroupKey, old_size: int, new: GroupKey, new_size: int) -> bool:
     """Whether an empty bucket of ``old`` (opened at ``old_size`` slots) may be
     rebound to ``new`` at ``new_size``: what its actor's ``repr`` says (model
-    class, ``bucket_size``, device) stays true, since Ray shows the repr it
-    captured at creation for the actor's whole life (docs/design.md D12), and
-    it claims the same resources (``resources_per_bucket``), so it holds the
-    device the new key's bucket would have asked for. Everything else (task,
-    structure, options) the rebound bucket takes from ``new``."""
-    return ((old.model_name, old_size, old.options.resources_per_bucket)
-            == (new.model_name, new_size, new.options.resources_per_bucket))
+    class, device) stays true, since Ray shows the repr it captured at
+    creation for the actor's whole life (docs/design.md D12), and it claims
+    the same resources (``resources_per_bucket``), so it holds the device the
+    new key's bucket would have asked for. Everything else (task, structure,
+    options, size) the rebound bucket takes from ``new``. The sizes are
+    accepted for rules to come (a device's memory, for one) and decide nothing now."""
+    return (old.model_name, old.options.resources_per_bucket) == (new.model_name, new.options.resources_per_bucket)
 
 
 def should_compact(capacity: int, live: int, waiting: int) -> bool:
