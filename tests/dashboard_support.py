@@ -45,15 +45,6 @@ FLAGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "-
 _NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 
-def current_binding(lines: list[str], bucket: str) -> list[str]:
-    """The lines of ``bucket``'s log since it was last rebound to a new key
-    (docs/design.md D2): a rebound bucket's log holds each key it trained in
-    turn, and its iterations count from 1 again after each ``rebound`` line."""
-    marker = f"{bucket}: rebound to a new key"
-    starts = [i for i, line in enumerate(lines) if marker in line]
-    return lines[starts[-1] + 1:] if starts else lines
-
-
 def find_chromium() -> str | None:
     """A Chromium binary: ``$CHROMIUM`` if set, else the first of the usual names on PATH."""
     if os.environ.get("CHROMIUM"):

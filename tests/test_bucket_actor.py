@@ -350,7 +350,7 @@ def test_the_repr_ray_captures_at_creation_stays_true_while_the_bucket_trains_an
         return captured, bucket
 
     captured, bucket = asyncio.run(scenario())
-    assert captured == "ChorusBucket(Sequential, cpu)"
+    assert captured == "ChorusBucket(Sequential, bucket_size=4, cpu)"
     assert repr(bucket) == captured
 
 
@@ -403,57 +403,3 @@ def test_a_member_that_leaves_with_unread_results_is_logged_as_wasted(caplog):
     bucket = asyncio.run(scenario())
     assert bucket.book.wasted == 2
     assert "test-bucket: member a left with 2 result(s) unread, wasted 2" in caplog.messages
-
-
-# ----- rebinding: an empty bucket takes another key, in the same process ------------------------
-def _other_task():
-    return digits_task(batch_size=32)  # another task (another batch size), the same model class and size
-
-
-def test_a_rebound_bucket_trains_its_new_key_from_empty_slots_on_the_new_key_s_reference():
-    async def scenario():
-        bucket = make_bucket(2)
-        await seat(bucket, "a", Plan(budget=3, bucket_decides=True))
-        for _ in range(3):
-            await bucket.next_result("a")
-        await bucket.leave("a")
-        bigger = BucketOptions(**{**bucket.options.__dict__, "bucket_size": 3})  # the new key's size
-        await bucket.rebind(cloudpickle.dumps(_other_task()), bigger, "Sequential")
-        await seat(bucket, "b", Plan(budget=2, bucket_decides=True))
-        return bucket, [await bucket.next_result("b") for _ in range(2)]
-
-    bucket, results = asyncio.run(scenario())
-    expected, _ = reference.train(_other_task(), CONFIGS["b"], seed=CONFIGS["b"]["seed"], iterations=2)
-    for ours, theirs in zip(results, expected, strict=True):
-        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL)
-    # Its own counters start again: the new key's first iteration is the bucket's first.
-    assert [r[rk.BUCKET_ITERATION] for r in results] == [1, 2] and bucket.rebinds == 1
-    assert set(bucket.book.records) == {"b"} and bucket.core.capacity == 3
-    assert repr(bucket) == "ChorusBucket(Sequential, cpu)"
-
-
-def test_a_bucket_is_not_rebound_while_a_member_is_in_a_slot():
-    async def scenario():
-        bucket = make_bucket(2)
-        await seat(bucket, "a", Plan(budget=2, bucket_decides=True))
-        with pytest.raises(MemberError, match="cannot be rebound"):
-            await bucket.rebind(cloudpickle.dumps(_other_task()), bucket.options, "Sequential")
-        return bucket, [await bucket.next_result("a") for _ in range(2)]
-
-    bucket, results = asyncio.run(scenario())
-    assert bucket.rebinds == 0
-    for ours, theirs in zip(results, reference_history("a", 2), strict=True):  # untouched by the refusal
-        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL)
-
-
-def test_a_bucket_is_not_rebound_while_a_finished_member_s_trial_may_still_save_it():
-    async def scenario():
-        bucket = make_bucket(2)
-        await seat(bucket, "a", Plan(budget=2, bucket_decides=True))
-        for _ in range(2):
-            await bucket.next_result("a")  # finished and read, but its trial has not left: Tune saves it last
-        with pytest.raises(MemberError, match="cannot be rebound"):
-            await bucket.rebind(cloudpickle.dumps(_other_task()), bucket.options, "Sequential")
-        return state_io.loads(await bucket.save("a"))
-
-    assert asyncio.run(scenario())["iteration"] == 2

@@ -295,8 +295,7 @@ def test_a_run_that_ended_early_leaves_no_unread_member_holding_the_next_run_s_b
         run_config=_run_config(tmp_path, name="ended", stop=_EndRunAfter(2))).fit()
     assert len(ended) < 12
     pool = get_pool(create=False)
-    # A trial the early end caught before its first result read nothing (a warm
-    # bucket may give one trial two results before another's first).
+    # A trial the early end caught before its first result read nothing.
     read = {r.metrics["chorus/member"] for r in ended if "chorus/member" in r.metrics}
     unread = {n: set(s["members"]) - read for n, s in ray.get(pool.stats.remote()).items()}
     unread = {n: members for n, members in unread.items() if members}

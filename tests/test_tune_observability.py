@@ -19,7 +19,7 @@ from ray.util.state import get_log, list_actors
 from chorus_tune.tune import ChorusTrainable
 from chorus_tune.tune.observe import grafana
 
-from dashboard_support import current_binding, free_port, trial_actors
+from dashboard_support import free_port, trial_actors
 from tune_support import digits_task, run_config
 
 pytestmark = pytest.mark.ray  # starts Ray (conftest.py: `make test-core` leaves it out)
@@ -47,7 +47,7 @@ def test_buckets_are_named_actors_whose_repr_holds_only_what_never_changes(sweep
     ours = [a for a in actors if a.name == bucket]
     assert len(ours) == 1 and ours[0].state == "ALIVE"
     # Ray captures a repr once, at creation: live state would go stale there.
-    assert ours[0].repr_name == "ChorusBucket(Sequential, cpu)"
+    assert ours[0].repr_name == "ChorusBucket(Sequential, bucket_size=4, cpu)"
 
 
 def test_trial_actors_show_as_chorus_trainable_naming_the_trial_each_started_for(sweep):
@@ -64,7 +64,7 @@ def test_the_bucket_log_has_a_status_line_per_iteration(sweep):
     text = "".join(get_log(address=ray.get_runtime_context().gcs_address, actor_id=actor.actor_id, suffix="out",
                           tail=-1))
     status = re.compile(rf"{re.escape(bucket)}: iteration (\d+), live \d+/\d+, trained \d+, route \w+, ")
-    iterations = [int(m.group(1)) for m in map(status.search, current_binding(text.splitlines(), bucket)) if m]
+    iterations = [int(m.group(1)) for m in map(status.search, text.splitlines()) if m]
     last = max(int(v) for r in results for v in r.metrics_dataframe["chorus/bucket_iteration"])
     assert iterations[:last] == list(range(1, last + 1))
 

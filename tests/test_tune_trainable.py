@@ -288,24 +288,3 @@ def test_a_bucket_process_imports_neither_ray_tune_nor_scikit_learn(own_member_s
     # Trials give the bucket their actor's id, not their handle (whose class
     # would import ray.tune there), and the tests' data loader reads chorus_tune's copy of digits.
     assert own_member_sweep[2].bucket_imports == {"ray.tune": False, "sklearn": False}
-
-
-def test_the_next_run_trains_in_the_last_run_s_idle_bucket_rebound_in_its_process(tmp_path):
-    from chorus_tune.tune import close_idle_buckets
-
-    close_idle_buckets()  # earlier tests' idle buckets: the last run's must be the only one to rebind
-    first = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1, idle_close_s=60.0)
-    before = _fit(first, {"lr": tune.grid_search([0.05, 0.1])}, tmp_path / "first", 2, reuse_actors=True)
-    name = before[0].metrics[rk.BUCKET]
-    pid = ray.get(ray.get_actor(name, namespace=NAMESPACE).describe.remote())["pid"]
-    # Another task (another batch size) and bucket size: another key, of the same model class.
-    task = digits_task(batch_size=32)
-    second = ChorusTrainable.for_task(task, bucket_size=3, max_buckets=1, idle_close_s=60.0)
-    after = _fit(second, {"lr": tune.grid_search([0.05, 0.1])}, tmp_path / "second", 2, reuse_actors=True)
-    assert not after.errors and {r.metrics[rk.BUCKET] for r in after} == {name}
-    described = ray.get(ray.get_actor(name, namespace=NAMESPACE).describe.remote())
-    assert described["pid"] == pid and described["rebinds"] >= 1 and described["capacity"] == 3
-    assert bucket_stats()[name]["rebinds"] >= 1
-    for result in after:
-        expected, _ = reference.train(task, dict(result.config), result.metrics[rk.SEED], 2)
-        assert history(result) == pytest.approx([h["val_loss"] for h in expected], rel=1e-5, abs=1e-6)

@@ -84,8 +84,8 @@ class ChorusBucket:
 
     Created by the pool (named, outside every trial's placement group). Its
     ``repr()`` holds only what never changes (Ray captures it once, at
-    creation, and the dashboard shows it): model class and device. Live
-    state is read where it is read live: :meth:`describe`, the
+    creation, and the dashboard shows it): model class, ``bucket_size``,
+    device. Live state is read where it is read live: :meth:`describe`, the
     ``ray_chorus_*`` metrics, and one status line per iteration in the
     actor's log (:data:`STATUS_LINE`).
     """
@@ -94,9 +94,14 @@ class ChorusBucket:
                  pool: Any = None, capacity_fit: dict | None = None):
         import torch
 
+        from chorus_tune.bucket import Bucket
+
         resources = dict(options.resources_per_bucket or ())
         torch.set_num_threads(bucket_threads(resources))
-        self.name, self._pool = name, pool
+        task = cloudpickle.loads(task_blob)
+        self.name, self.model_name, self.options, self._pool = name, model_name, options, pool
+        # An "auto" bucket_size's fit, in every result: the size is the fit's k.
+        self.capacity_fit = {} if capacity_fit is None else {rk.CAPACITY_FIT: dict(capacity_fit)}
         # Read off this process (Ray's GPU ids on this node, CUDA_VISIBLE_DEVICES),
         # never off the cluster: a bucket cannot know how many share its node.
         self.choice = pick_device(ray.get_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"),
@@ -106,32 +111,7 @@ class ChorusBucket:
         if self.choice.fell_back:
             logger.warning("%s: Ray gave it GPU %s (%s), but torch has no CUDA here: it trains on the CPU",
                            name, ",".join(self.choice.gpu_ids), self.choice.requested)
-        self._lock: asyncio.Lock | None = None
-        self._wake: asyncio.Event | None = None
-        self._closed: asyncio.Event | None = None
-        self._tasks: list[asyncio.Task] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chorus-bucket")
-        self.metrics = BucketMetrics(name, model_name)
-        self.rebinds = 0
-        self.core = None
-        self._bind(self._new_core(task_blob, options), options, model_name, capacity_fit)
-        if pool is not None:
-            # The pool records where the bucket runs (its stats keep it after
-            # the bucket is gone) and shares each node's cores among its buckets.
-            pool.bucket_started.remote(name, self.where())
-        log_to_actor_stdout(logger)
-
-    def _new_core(self, task_blob: bytes, options: BucketOptions):
-        from chorus_tune.bucket import Bucket
-
-        return Bucket(cloudpickle.loads(task_blob), options.bucket_size, device=self.device, route=options.route)
-
-    def _bind(self, core, options: BucketOptions, model_name: str, capacity_fit: dict | None) -> None:
-        """Everything that belongs to the key the bucket trains, on the event
-        loop: a new bucket's, or a rebound one's (:meth:`rebind`), from empty slots."""
-        self.model_name, self.options, self.core = model_name, options, core
-        # An "auto" bucket_size's fit, in every result: the size is the fit's k.
-        self.capacity_fit = {} if capacity_fit is None else {rk.CAPACITY_FIT: dict(capacity_fit)}
+        self.core = Bucket(task, options.bucket_size, device=self.device, route=options.route)
         self.book = MemberBook(max_queue=_MAX_QUEUE, gather_s=options.gather_s)
         self.clients: dict[str, ActorId | None] = {}  # member -> the id of the trial actor reading it
         self.retired: OrderedDict[str, dict] = OrderedDict()
@@ -139,47 +119,26 @@ class ChorusBucket:
         self.ever: list[str] = []
         self.iterations = 0
         self.compactions = 0
-        self._steps_seen = 0
         self._waiters: dict[str, asyncio.Future] = {}
         self._asked_at: dict[str, float] = {}  # member -> when its trial last asked for a result
         self.evicted: set[str] = set()  # members whose slot went to a waiting member (evict_idle)
         self._joining: dict[str, asyncio.Task] = {}
+        self._lock: asyncio.Lock | None = None
+        self._wake: asyncio.Event | None = None
+        self._closed: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task] = []
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chorus-bucket")
+        self.metrics = BucketMetrics(name, model_name)
         self.metrics.members(0, options.bucket_size)
-
-    async def rebind(self, task_blob: bytes, options: BucketOptions, model_name: str,
-                     capacity_fit: dict | None = None) -> None:
-        """Train another key from now on, in this process, on this device: the
-        pool rebinds an empty bucket rather than open a new one beside it
-        (docs/design.md D2). Its name, device and ``repr`` stay (the pool
-        rebinds only where the repr stays true, ``grouping.can_rebind``); its
-        size is the new key's;
-        members, results, counters and the fused stack start afresh. Refused
-        while a member is in it or a trial could still read from it."""
-        self._start()
-        async with self._lock:
-            if self.book.in_slots() or self.book.reserved() or self._joining or not await self.drained():
-                raise MemberError(f"bucket {self.name} cannot be rebound: it still holds members or unread results")
-            # The old stack's memory goes before the new one's is taken (a
-            # bucket sized "auto" may fill its device); describe() says so meanwhile.
-            self.core = None
-            try:
-                core = await self._in_thread(self._new_core, task_blob, options)
-            except Exception as exc:
-                # Its old stack is gone: it closes, and the pool's death watch
-                # takes it out of the placement; the members placed here hear why.
-                logger.warning("%s: could not be rebound: %s", self.name, exc)
-                await self.close(reason=f"rebinding it failed: {exc}")
-                raise
-            self._bind(core, options, model_name, capacity_fit)
-            self.rebinds += 1
-        logger.info("%s: rebound to a new key (%s, bucket_size=%d): its members start afresh", self.name,
-                    model_name, options.bucket_size)
-        self._poke()
+        if pool is not None:
+            # The pool records where the bucket runs (its stats keep it after
+            # the bucket is gone) and shares each node's cores among its buckets.
+            pool.bucket_started.remote(name, self.where())
+        log_to_actor_stdout(logger)
 
     def __repr__(self) -> str:
-        # No size: compaction shrinks the slots, and a rebind (same model class,
-        # same resources, any size: grouping.can_rebind) sets them anew.
-        return f"ChorusBucket({self.model_name}, {self.device})"
+        # bucket_size, not the slots now: compaction shrinks those.
+        return f"ChorusBucket({self.model_name}, bucket_size={self.options.bucket_size}, {self.device})"
 
     @property
     def live(self) -> int:
@@ -561,7 +520,7 @@ class ChorusBucket:
                 rk.OOM_RECOVERIES: self.core.oom_recoveries, **self.capacity_fit}
 
     def _report(self, trained: int, in_slots: int, capacity: int, batch: int, seconds: float) -> None:
-        steps = self.core.fused_steps - self._steps_seen
+        steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
         self._steps_seen = self.core.fused_steps
         samples = steps * batch * trained
         self.metrics.iteration(steps, samples, seconds, self.core.route)
@@ -632,11 +591,6 @@ class ChorusBucket:
 
     async def describe(self) -> dict[str, Any]:
         records = self.book.records
-        if self.core is None:  # being rebound (its new stack is being built)
-            return {"name": self.name, "model": self.model_name, "repr": repr(self), "capacity": 0, "live": 0,
-                    "rebinding": True, "route": None, "route_report": None, "iterations": 0, "wasted": 0,
-                    "max_queue": self.book.max_queue, "decision_points": [], "rebinds": self.rebinds,
-                    **self.where(), "pid": os.getpid()}
         return {
             "name": self.name, "model": self.model_name, "repr": repr(self),
             "capacity": self.core.capacity, "live": self.live,
@@ -647,7 +601,6 @@ class ChorusBucket:
             "route": self.core.route, "route_report": self.core.route_report(),
             "iterations": self.iterations, "fused_steps": self.core.fused_steps,
             "compactions": self.compactions, "wasted": self.book.wasted, "max_queue": self.book.max_queue,
-            "rebinds": self.rebinds,
             **self.where(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "pid": os.getpid(), "oom_recoveries": self.core.oom_recoveries,
             "decision_points": list(self.book.stops.points),

@@ -35,15 +35,6 @@ class BucketHistory:
         self._entries[name] = {"model": model, "bucket_size": capacity, "capacity": capacity, "trials": trials,
                                "closed": False, "reaped": [], "capacity_fit": capacity_fit}
 
-    def rebound(self, name: str, model: str, capacity: int, capacity_fit: dict | None) -> None:
-        """Bucket ``name``, empty, trains a new key from now on (same process and
-        device): its entry says what it trains now, and how many times it was
-        rebound; ``trials`` still lists every member it ever held."""
-        entry = self._entries[name]
-        entry.update(model=model, bucket_size=capacity, capacity=capacity, capacity_fit=capacity_fit,
-                     rebinds=entry.get("rebinds", 0) + 1)
-        entry.pop("compactions", None)
-
     def started(self, name: str, where: dict[str, Any]) -> None:
         """Bucket ``name`` runs: ``where`` holds its ``node_id``, ``device``,
         ``requested_device`` and ``gpu_ids``."""

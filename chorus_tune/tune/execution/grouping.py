@@ -1,4 +1,4 @@
-"""Who shares a bucket, who may take an empty one over, and when one shrinks (Ray-free; the pool applies them)."""
+"""Who shares a bucket, and when a bucket should shrink (Ray-free; the pool applies both)."""
 from __future__ import annotations
 
 from typing import Any, NamedTuple
@@ -17,18 +17,6 @@ class GroupKey(NamedTuple):
     options: Any  # the run's BucketOptions: buckets of another run's options are not shared
     model_name: str
     structural_key: tuple
-
-
-def can_rebind(old: GroupKey, old_size: int, new: GroupKey, new_size: int) -> bool:
-    """Whether an empty bucket of ``old`` (opened at ``old_size`` slots) may be
-    rebound to ``new`` at ``new_size``: what its actor's ``repr`` says (model
-    class, device) stays true, since Ray shows the repr it captured at
-    creation for the actor's whole life (docs/design.md D12), and it claims
-    the same resources (``resources_per_bucket``), so it holds the device the
-    new key's bucket would have asked for. Everything else (task, structure,
-    options, size) the rebound bucket takes from ``new``. The sizes are
-    accepted for rules to come (a device's memory, for one) and decide nothing now."""
-    return (old.model_name, old.options.resources_per_bucket) == (new.model_name, new.options.resources_per_bucket)
 
 
 def should_compact(capacity: int, live: int, waiting: int) -> bool:

@@ -8,14 +8,10 @@ Rules (docs/design.md D2, D9):
   cluster's resources hold at once); otherwise the trial waits, first come
   first served, and is placed as soon as a slot of its key frees or a bucket
   closes;
-- an empty bucket of another key that may host the trial's key (``rebinds``:
-  the same model class, size and resources, docs/design.md D2) is *rebound*
-  to it rather than a bucket opened or closed: it keeps its name and its
-  actor's process, and trains the new key from empty slots;
-- otherwise an empty bucket is closed at once when a waiting trial needs its
-  budget, whether the trial came first or the bucket emptied first, else left
-  open for a while for a trial of its own key (the pool closes it after an
-  idle grace period);
+- an empty bucket is closed at once when a waiting trial needs its budget,
+  whether the trial came first or the bucket emptied first, else left open
+  for a while for a trial of its own key (the pool closes it after an idle
+  grace period);
 - a bucket that is compacting offers no slot until its new capacity is known,
   and a trial of its key waits for that rather than opening another bucket.
   Its slots are the bucket actor's to count then: a trial placed in a slot the
@@ -25,11 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
-from typing import Callable, Hashable
-
-# Whether an empty bucket of key ``a`` opened at size ``n`` may be rebound to
-# key ``b`` at size ``m`` (``rebinds(a, n, b, m)``).
-Rebinds = Callable[[Hashable, int, Hashable, int], bool]
+from typing import Hashable
 
 
 @dataclass
@@ -38,14 +30,10 @@ class BucketRecord:
 
     name: str
     key: Hashable
-    capacity: int  # slots now (compaction shrinks them)
-    size: int = 0  # slots it opened (or was last rebound) with; 0: capacity
+    capacity: int
     members: list[str] = field(default_factory=list)
     ever: list[str] = field(default_factory=list)  # every trial it ever held, in order
     compacting: bool = False  # between begin_compaction and end_compaction: no free slot
-
-    def __post_init__(self) -> None:
-        self.size = self.size or self.capacity
 
     @property
     def free(self) -> int:
@@ -57,7 +45,6 @@ class Placed:
     trial_id: str
     bucket: str
     opened: bool  # the bucket is new: the pool must create its actor
-    rebound: bool = False  # an empty bucket of another key now hosts this key: the pool rebuilds it
     # The empty buckets of other keys whose budget it took (several where the
     # budget shrank below the buckets open): the pool closes them.
     replaces: tuple[str, ...] = ()
@@ -75,13 +62,11 @@ class Update:
 class Placement:
     """Slot assignment across a pool's buckets."""
 
-    def __init__(self, max_buckets: int | None = None, prefix: str = "chorus-bucket",
-                 rebinds: Rebinds | None = None):
+    def __init__(self, max_buckets: int | None = None, prefix: str = "chorus-bucket"):
         if max_buckets is not None and max_buckets < 1:
             raise ValueError(f"max_buckets must be positive or None; got {max_buckets}")
         self.max_buckets = max_buckets
         self.prefix = prefix
-        self.rebinds = rebinds  # None: no bucket is ever rebound
         self.buckets: OrderedDict[str, BucketRecord] = OrderedDict()
         self._where: dict[str, str] = {}
         self._waiting: OrderedDict[str, tuple[Hashable, int]] = OrderedDict()
@@ -182,12 +167,7 @@ class Placement:
         for record in self.buckets.values():
             if record.key == key and record.free > 0:
                 return self._put(trial_id, record, opened=False)
-        if self._compacting(key):
-            return None
-        rebound = self._rebind(trial_id, key, capacity)
-        if rebound is not None:
-            return rebound
-        if not self.can_open():
+        if not self.can_open() or self._compacting(key):
             return None
         self._opened += 1
         record = BucketRecord(f"{self.prefix}-{self._opened}", key, capacity)
@@ -214,29 +194,6 @@ class Placement:
         placed = self._try_place(trial_id, key, capacity)
         assert placed is not None, "a bucket's budget was freed for it"
         return replace(placed, replaces=taken)
-
-    def _rebind(self, trial_id: str, key: Hashable, capacity: int) -> Placed | None:
-        """The oldest empty bucket of another key that may host ``key`` at
-        ``capacity`` is rebound to it, rather than a new bucket opened beside it
-        (its process, device and data stay warm: a new bucket actor costs a
-        process start, torch's import and, on a GPU, a CUDA context) or closed
-        for the budget. Where the budget shrank below the buckets open, as many
-        other empty buckets as the excess close with it (``Placed.replaces``)."""
-        if self.rebinds is None:
-            return None
-        empty = [r for r in self.buckets.values() if not r.members and not r.compacting]
-        host = next((r for r in empty if r.key != key and self.rebinds(r.key, r.size, key, capacity)), None)
-        if host is None:
-            return None
-        excess = 0 if self.max_buckets is None else max(0, len(self.buckets) - self.max_buckets)
-        others = [r.name for r in empty if r is not host and r.key != key]
-        if excess > len(others):
-            return None
-        taken = tuple(others[:excess])
-        for name in taken:
-            self.buckets.pop(name)
-        host.key, host.capacity, host.size = key, capacity, capacity
-        return replace(self._put(trial_id, host, opened=False), rebound=True, replaces=taken)
 
     def _compacting(self, key: Hashable) -> bool:
         return any(r.key == key and r.compacting for r in self.buckets.values())

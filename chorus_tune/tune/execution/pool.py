@@ -35,7 +35,7 @@ from ..observe.actor_log import log_to_actor_stdout
 from .bucket_history import BucketHistory
 from .closing import Watches, compact_after_s, compaction_due, idle_close_s, stays_idle
 from .cluster import node_cpus, pool_scheduling_strategy
-from .grouping import GroupKey, can_rebind, split_from
+from .grouping import GroupKey, split_from
 from .members import Plan
 from .opening import actor_options, bucket_options
 from .options import BucketOptions, Join, RungSchedule
@@ -191,7 +191,6 @@ class ChorusPool:
         self._closing = Watches()  # buckets closing once drained
         self._idle = Watches()  # empty buckets waiting to be drained before they close
         self._unplaced: dict[str, BaseException] = {}  # members whose placement failed: why
-        self._rebinding: dict[str, asyncio.Future] = {}  # bucket -> done once it trains its new key
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
         # ChorusSearch without task= (see ChorusSearch._send_scout): its scout
         # trials, and their members held back for their cohort.
@@ -222,8 +221,7 @@ class ChorusPool:
 
     def _key(self, task_id_: str, options: BucketOptions, config: dict) -> GroupKey:
         if self.placement is None:
-            self.placement = Placement(self._budget(options), prefix=bucket_prefix(self.job_id, self.generation),
-                                       rebinds=can_rebind)
+            self.placement = Placement(self._budget(options), prefix=bucket_prefix(self.job_id, self.generation))
         else:
             # Successive runs in one driver may size their buckets differently.
             self.placement.max_buckets = self._budget(options)
@@ -390,8 +388,6 @@ class ChorusPool:
         """The placement's answer for ``member``; an empty bucket of another key
         whose budget it took closes once its trials have read every result."""
         placed = self.placement.request(member, key, size)
-        if placed is not None and placed.rebound:
-            logger.info("pool: %s rebinds idle bucket %s to %s", member, placed.bucket, key.model_name)
         for empty in placed.replaces if placed is not None else ():
             logger.info("pool: %s takes the budget of idle bucket %s", member, empty)
             asyncio.get_running_loop().create_task(self._close_when_drained(empty))
@@ -470,13 +466,7 @@ class ChorusPool:
         and two of a cohort of eight seated together trained an iteration
         before the other six arrived (a cohort must reach its rungs together)."""
         name = group[0].bucket
-        if any(p.rebound for p in group):
-            await self._rebind(name)
-        elif name in self._rebinding:
-            # Placed after it was rebound, while it still drains or rebuilds:
-            # told before the rebind, they would be lost with its old book.
-            await asyncio.shield(self._rebinding[name])
-        if name not in self.handles or any(p.opened for p in group):
+        if any(p.opened for p in group) or name not in self.handles:
             record = self.placement.buckets[name]
             tid, options, model_name, _ = self.key_info[record.key]
             resources = self._bucket_resources(options)
@@ -512,40 +502,6 @@ class ChorusPool:
             future = self._waiting.pop(member, None)
             if future is not None and not future.done():
                 future.set_result(name)
-
-    async def _rebind(self, name: str) -> None:
-        """Bucket ``name`` was empty and the placement rebound it to a new key
-        (``Placed.rebound``): once its last members' trials have read every
-        result (as a bucket closes), its actor drops its old stack and builds
-        the new key's, in the same process, on the same device. Placements
-        made in it meanwhile wait for this (``_rebinding``)."""
-        done = asyncio.get_running_loop().create_future()
-        previous = self._rebinding.get(name)
-        self._rebinding[name] = done
-        try:
-            if previous is not None:
-                await asyncio.shield(previous)  # rebound twice in a row: one at a time
-            handle = self.handles[name]
-            while not await handle.drained.remote():
-                await asyncio.sleep(_DRAIN_POLL_S)
-            record = self.placement.buckets[name]  # the key it was last rebound to
-            tid, options, model_name, _ = self.key_info[record.key]
-            resources = self._bucket_resources(options)
-            fit = self._fit_of(record.key)
-            await handle.rebind.remote(self.blobs[tid], bucket_options(options, record.capacity, resources),
-                                       model_name, capacity_fit=fit)
-            self._stops.forget(name)
-            self._send_stops(name)
-            self._share_cores()
-            self.history.rebound(name, model_name, record.capacity, fit)
-            done.set_result(None)
-        except BaseException as exc:
-            done.set_exception(exc)
-            done.exception()  # retrieved here: the waiting placements re-raise it themselves
-            raise
-        finally:
-            if self._rebinding.get(name) is done:
-                del self._rebinding[name]
 
     @staticmethod
     def _model_name(task, config: dict) -> str:
