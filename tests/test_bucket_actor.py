@@ -403,3 +403,18 @@ def test_a_member_that_leaves_with_unread_results_is_logged_as_wasted(caplog):
     bucket = asyncio.run(scenario())
     assert bucket.book.wasted == 2
     assert "test-bucket: member a left with 2 result(s) unread, wasted 2" in caplog.messages
+
+
+def test_an_idle_bucket_sets_its_gauges_again_every_reap_interval():
+    # Ray drops a gauge it does not hear again within seconds (metrics.BucketMetrics.refresh):
+    # an idle bucket must keep saying what it holds.
+    async def scenario():
+        bucket = make_bucket(2, reap_interval_s=0.05)
+        refreshed = []
+        bucket.metrics.refresh = lambda: refreshed.append(1)
+        await bucket.expect("a", None, None)  # starts the bucket's loops; nothing trains
+        await until(lambda: len(refreshed) >= 3, timeout=10)
+        await bucket.close()
+        return refreshed
+
+    assert len(asyncio.run(scenario())) >= 3

@@ -546,6 +546,7 @@ class ChorusBucket:
                 await self._orphaned()
                 return
             try:
+                self.metrics.refresh()  # an idle bucket's gauges stay on the metrics endpoint (refresh says why)
                 watched = {member: client for member, client in self.clients.items()
                            if client is not None and member not in self._waiters}  # a waiting trial is alive
                 dead = await asyncio.to_thread(liveness.dead_among, set(watched.values()))

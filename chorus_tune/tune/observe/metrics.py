@@ -55,32 +55,54 @@ class BucketMetrics:
             metric.set_default_tags(tags)
         self._tags = tags
         self._compactions = 0
-        self.compactions.set(0)
+        # Each gauge's last value, per tag set: refresh() sets them again.
+        self._last: dict[tuple, tuple[Gauge, float, dict | None]] = {}
+        self._set(self.compactions, 0)
         self.wasted(0)
+
+    def _set(self, gauge: Gauge, value: float, tags: dict | None = None) -> None:
+        if tags is None:
+            gauge.set(value)
+        else:
+            gauge.set(value, tags=tags)
+        self._last[(id(gauge), tuple(sorted((tags or {}).items())))] = (gauge, value, tags)
+
+    def refresh(self) -> None:
+        """Set every gauge again to its last value. Ray exports a gauge only
+        when it is set, and its agent soon drops a value it does not hear
+        again: measured in a local Ray (1 s reports), an idle bucket's gauges
+        were still on the metrics endpoint 3 s after its last update and gone
+        at 20 s, its counters kept. Grafana's panels then lost the idle bucket
+        (live members 0, its slots). The bucket calls this every reap interval."""
+        for gauge, value, tags in list(self._last.values()):
+            if tags is None:
+                gauge.set(value)
+            else:
+                gauge.set(value, tags=tags)
 
     def members(self, live: int, capacity: int) -> None:
         """Members in slots now, of ``capacity`` slots."""
-        self.live.set(live)
-        self.capacity.set(capacity)
+        self._set(self.live, live)
+        self._set(self.capacity, capacity)
 
     def compacted(self, live: int, capacity: int) -> None:
         """The bucket shrank to ``capacity`` slots."""
         self._compactions += 1
-        self.compactions.set(self._compactions)
+        self._set(self.compactions, self._compactions)
         self.members(live, capacity)
 
     def wasted(self, total: int) -> None:
         """The bucket's wasted member-iterations so far (counted when a member
         leaves with results nobody read)."""
-        self.wasted_iterations.set(total)
+        self._set(self.wasted_iterations, total)
 
     def iteration(self, steps: int, samples: int, seconds: float, route: str | None) -> None:
         """One iteration of ``steps`` fused steps over ``samples`` samples in ``seconds``."""
         self.iterations.inc()
         if steps:
             self.fused_steps.inc(steps)
-            self.step_time.set(seconds / steps)
+            self._set(self.step_time, seconds / steps)
         if seconds > 0:
-            self.samples_per_s.set(samples / seconds)
+            self._set(self.samples_per_s, samples / seconds)
         for name in ROUTES:
-            self.route.set(1.0 if name == route else 0.0, tags={**self._tags, "route": name})
+            self._set(self.route, 1.0 if name == route else 0.0, tags={**self._tags, "route": name})
