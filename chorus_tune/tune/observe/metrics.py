@@ -61,10 +61,7 @@ class BucketMetrics:
         self.wasted(0)
 
     def _set(self, gauge: Gauge, value: float, tags: dict | None = None) -> None:
-        if tags is None:
-            gauge.set(value)
-        else:
-            gauge.set(value, tags=tags)
+        gauge.set(value, tags=tags)  # tags=None: the gauge's default tags (Ray's own default)
         self._last[(id(gauge), tuple(sorted((tags or {}).items())))] = (gauge, value, tags)
 
     def refresh(self) -> None:
@@ -74,11 +71,8 @@ class BucketMetrics:
         were still on the metrics endpoint 3 s after its last update and gone
         at 20 s, its counters kept. Grafana's panels then lost the idle bucket
         (live members 0, its slots). The bucket calls this every reap interval."""
-        for gauge, value, tags in list(self._last.values()):
-            if tags is None:
-                gauge.set(value)
-            else:
-                gauge.set(value, tags=tags)
+        for gauge, value, tags in self._last.values():
+            gauge.set(value, tags=tags)
 
     def members(self, live: int, capacity: int) -> None:
         """Members in slots now, of ``capacity`` slots."""
