@@ -44,11 +44,23 @@ def reference_metric(task, configs, iterations, metric="val_loss"):
 
 
 def _bucket_cohorts(events):
-    """{(bucket, fused iteration): [(trial_id, training_iteration)]} of the results a bucket decided."""
+    """{(bucket, fused iteration, rung): [(trial_id, training_iteration)]} of the results a bucket decided.
+
+    The rung is part of the key: in one fused iteration a bucket can halve two
+    cohorts, refilled members reaching the first rung while older ones reach
+    a later one, and each is halved on its own. Every cohort must be complete
+    (each member's result recorded, as many as the bucket says it halved):
+    replaying a part of one would decide another cohort than the bucket did.
+    """
     cohorts = defaultdict(list)
+    sizes = {}
     for kind, tid, it, result in events:
         if kind == "result" and result.get(rk.DECISION) in ("CONTINUE", "STOP"):
-            cohorts[(result[rk.BUCKET], result[rk.BUCKET_ITERATION])].append((tid, it))
+            key = (result[rk.BUCKET], result[rk.BUCKET_ITERATION], it)
+            cohorts[key].append((tid, it))
+            sizes[key] = result[rk.COHORT_SIZE]
+    for key, members in cohorts.items():
+        assert len(members) == sizes[key], f"cohort {key}: {len(members)} results recorded of {sizes[key]} halved"
     return cohorts
 
 
