@@ -21,6 +21,13 @@ set -u
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 
+# chorus_tune's bytecode, compiled once here: every Ray worker (about 300 a
+# run: trial actors, buckets, pools) imports it, and where
+# PYTHONDONTWRITEBYTECODE is set (as on this project's machines) none may write
+# it, so each compiled the sources again. Measured: a bucket's chorus_tune
+# imports took 0.2 CPU-s less with the bytecode there.
+"$PY" -m compileall -q chorus_tune >/dev/null
+
 core_log=$(mktemp)
 core_pid=""
 finish() {
