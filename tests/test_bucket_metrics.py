@@ -38,9 +38,7 @@ def test_refresh_sets_every_gauge_again_to_its_last_value_route_tags_included(bu
     bucket_metrics.members(2, 4)
     bucket_metrics.compacted(2, 2)
     bucket_metrics.wasted(5)
-    last = {}
-    for name, value, tags in _Recorded.sets:
-        last[(name, tags)] = value
+    last = {(name, tags): value for name, value, tags in _Recorded.sets}  # the later set of a series wins
     _Recorded.sets = []
     bucket_metrics.refresh()
     again = {(name, tags): value for name, value, tags in _Recorded.sets}

@@ -86,10 +86,15 @@ def _exported(port: int, bucket: str, wanted: set[str], shows=None) -> list[str]
         except OSError:
             text = ""
         lines = [line for line in text.splitlines() if f'bucket="{bucket}"' in line]
-        if {line.split("{", 1)[0] for line in lines} >= wanted and (shows is None or shows(lines)):
+        if _names(lines) >= wanted and (shows is None or shows(lines)):
             break
         time.sleep(1)
     return lines
+
+
+def _names(lines: list[str]) -> set[str]:
+    """The metric names of endpoint lines."""
+    return {line.split("{", 1)[0] for line in lines}
 
 
 def _routes_on(lines: list[str]) -> list[str]:
@@ -103,7 +108,7 @@ def test_bucket_metrics_reach_the_metrics_endpoint(sweep):
               "ray_chorus_step_time_seconds", "ray_chorus_route", "ray_chorus_wasted_iterations"}
     lines = _exported(port, bucket, wanted, shows=lambda lines: any(f'route="{route}"' in line
                                                                     for line in _routes_on(lines)))
-    missing = wanted - {line.split("{", 1)[0] for line in lines}
+    missing = wanted - _names(lines)
     assert not missing, f"not exported: {missing}"
     steps = [line for line in lines if line.startswith("ray_chorus_fused_steps")]
     assert float(steps[0].rsplit(" ", 1)[1]) > 0
@@ -115,7 +120,7 @@ def test_every_metric_the_grafana_dashboard_reads_is_exported_by_a_live_bucket(s
     port, results, *_ = sweep
     wanted = grafana.queried_metrics()
     lines = _exported(port, results[0].metrics["chorus/bucket"], wanted)
-    assert wanted <= {line.split("{", 1)[0] for line in lines}
+    assert wanted <= _names(lines)
 
 
 def test_the_grafana_dashboard_installs_beside_rays_own_in_the_running_session(sweep):
