@@ -322,6 +322,46 @@ def test_a_member_whose_model_cannot_be_built_fails_alone_with_the_factorys_erro
         assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL)
 
 
+class _NoticesTaken:
+    """Stands in for the pool's handle: keeps what ``member_out.remote`` was sent."""
+
+    def __init__(self):
+        self.sent = []
+        self.member_out = self
+        self.stops_seen = self  # the bucket tells the pool its decision points too
+
+    def remote(self, *args):
+        self.sent.append(args)
+
+
+def test_a_member_that_fails_tells_the_pool_its_error_for_a_trial_that_asks_later():
+    async def scenario():
+        bucket = make_bucket(2)
+        bucket._pool = notices = _NoticesTaken()
+        bad = Join({"lr": 0.1, "width": -3}, 0, plan=Plan(budget=2, bucket_decides=True))
+        await bucket.expect("x", None, bad)
+        await until(lambda: notices.sent)
+        return notices.sent
+
+    ((name, member, reason, error),) = asyncio.run(scenario())
+    assert (name, member, reason) == ("test-bucket", "x", "failed")
+    assert re.search("negative dimension|-3", str(error))
+
+
+def test_an_error_that_does_not_pickle_reaches_the_pool_as_its_type_and_message():
+    from chorus_tune.tune.execution.bucket_actor import _portable
+
+    class HoldsALock(Exception):
+        def __init__(self, message):
+            super().__init__(message)
+            self.lock = threading.Lock()
+
+    sent = _portable(HoldsALock("the factory's own words"))
+    assert type(sent) is RuntimeError and str(sent) == "HoldsALock: the factory's own words"
+    plain = ValueError("as it is")
+    assert _portable(plain) is plain and _portable(None) is None
+
+
 def test_a_second_request_before_the_first_is_answered_fails_the_first_rather_than_orphaning_it():
     async def scenario():
         bucket = make_bucket(1)

@@ -188,6 +188,41 @@ def test_a_member_that_left_is_seated_again_afresh():
     ray.get(pool.leave.remote("m-fresh"))
 
 
+def _finite_only(outputs, targets) -> float:
+    import torch
+
+    if not torch.isfinite(outputs).all():
+        raise ValueError("non-finite outputs")
+    return 1.0
+
+
+def test_a_seated_member_that_fails_before_its_trial_asks_gives_the_trial_its_own_error():
+    # ChorusSearch seats members ahead of their trials: in a bucket that is
+    # already running, one whose task metric raises fails in its first
+    # iteration, before Tune may have started its trial. That trial, asking
+    # the pool later, must fail with the member's own error (as one that asked
+    # first does), not with one that says nothing of it.
+    import time
+
+    from chorus_tune.tune import ChorusTrainable
+    from chorus_tune.tune.execution.pool import get_pool
+
+    from tune_support import digits_task
+
+    trainable = ChorusTrainable.for_task(digits_task(metrics={"strict": _finite_only}), bucket_size=2,
+                                         max_buckets=1)
+    pool = get_pool(create=True)
+    assert _seat_one(pool, trainable, "m-diverges", 1e12) in ("seated", "queued")  # diverges at once
+    name, _ = ray.get(pool.await_placement.remote("m-diverges"), timeout=60)  # it has a bucket
+    deadline = time.monotonic() + 60
+    while "m-diverges" in ray.get(pool.stats.remote())[name]["members"]:  # until its bucket frees its slot
+        assert time.monotonic() < deadline, "the member never failed"
+        time.sleep(0.2)
+    with pytest.raises(Exception, match="metric 'strict' raised ValueError: non-finite outputs"):
+        ray.get(pool.await_placement.remote("m-diverges"), timeout=60)
+    ray.get(pool.leave.remote("m-diverges"))
+
+
 def test_a_member_that_leaves_while_its_new_bucket_starts_is_not_trained_there():
     # A new bucket's actor takes seconds to start (it imports torch); a leave
     # in that window found no home to tell, and the bucket then trained the

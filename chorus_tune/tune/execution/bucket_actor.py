@@ -63,6 +63,20 @@ def _member_metrics(metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in metrics.items() if k not in ("route", "seed")}
 
 
+def _portable(error: BaseException | None) -> BaseException | None:
+    """``error`` as the pool can be sent it: itself, or, where it does not
+    pickle (a factory's own exception may hold anything), a RuntimeError with
+    its type and message. A notice that failed to pickle would raise here, in
+    the bucket's iteration, instead of reaching the pool."""
+    if error is None:
+        return None
+    try:
+        cloudpickle.dumps(error)
+    except Exception:  # noqa: BLE001 - whatever pickling raises, the message still goes
+        return RuntimeError(f"{type(error).__name__}: {error}")
+    return error
+
+
 def _state_bytes(state: dict) -> int:
     import torch
 
@@ -253,7 +267,7 @@ class ChorusBucket:
             logger.warning("%s: member %s could not join: %s", self.name, member, exc)
             self.book.fail(member, exc)
             self._resolve(member)
-            self._notify_pool(member, "failed")
+            self._notify_pool(member, "failed", exc)
         finally:
             self._joining.pop(member, None)
             record = self.book.get(member)
@@ -361,9 +375,9 @@ class ChorusBucket:
         self.metrics.compacted(self.live, self.core.capacity)
         return self.core.capacity
 
-    def _notify_pool(self, member: str, reason: str) -> None:
+    def _notify_pool(self, member: str, reason: str, error: BaseException | None = None) -> None:
         if self._pool is not None:
-            self._pool.member_out.remote(self.name, member, reason)
+            self._pool.member_out.remote(self.name, member, reason, _portable(error))
 
     # ----- what trials read -----------------------------------------------------------------------
     async def next_result(self, member: str, join: Join | None = None,
@@ -509,7 +523,7 @@ class ChorusBucket:
             self.book.fail(member, error)
             self.core.retire(slot)
             self._resolve(member)
-            self._notify_pool(member, "failed")
+            self._notify_pool(member, "failed", error)
 
     def _result(self, member: str, slot: int, metrics: dict, live: int) -> dict[str, Any]:
         return {**_member_metrics(metrics), rk.MEMBER: member, rk.BUCKET: self.name, rk.SLOT: slot,

@@ -190,7 +190,8 @@ class ChorusPool:
         self._waiting: dict[str, asyncio.Future] = {}
         self._closing = Watches()  # buckets closing once drained
         self._idle = Watches()  # empty buckets waiting to be drained before they close
-        self._unplaced: dict[str, BaseException] = {}  # members whose placement failed: why
+        # members whose placement failed, or that failed in their bucket: why, for a trial that asks later
+        self._unplaced: dict[str, BaseException] = {}
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
         # ChorusSearch without task= (see ChorusSearch._send_scout): its scout
         # trials, and their members held back for their cohort.
@@ -612,10 +613,16 @@ class ChorusPool:
         if name is not None:
             self._later_compact(name)
 
-    async def member_out(self, name: str, member: str, reason: str) -> None:
+    async def member_out(self, name: str, member: str, reason: str, error: BaseException | None = None) -> None:
         """Bucket ``name`` says ``member`` no longer needs its slot: it
         ``"finished"`` (its results still drain from the bucket), or ``"failed"``
-        or was ``"reaped"``. The slot goes to a waiting member."""
+        (with ``error``) or was ``"reaped"``. The slot goes to a waiting member."""
+        if reason == "failed" and error is not None and self._still_bound(member):
+            # Kept for its trial, which may not have asked yet: ChorusSearch seats
+            # members ahead of their trials, and in a bucket already running one
+            # can fail before Tune starts its trial. Asking then, the trial found
+            # the member nowhere and failed with an error that said nothing of it.
+            self._unplaced[member] = error
         self.book.out(member, reason)
         if reason == "reaped":
             self.history.note(name, reason, member)
@@ -623,6 +630,12 @@ class ChorusPool:
             return
         await self._apply(self.placement.remove(member))
         self._later_compact(name)
+
+    def _still_bound(self, member: str) -> bool:
+        """Whether a trial may still ask for ``member``: it is seated, has a
+        home, or is placed. (One whose trial left is none of these.)"""
+        placed = self.placement is not None and self.placement.bucket_of(member) is not None
+        return placed or self.book.is_seated(member) or self.book.is_housed(member)
 
     def _later_compact(self, name: str) -> None:
         # Later, not now: a bucket must not shrink under the member that refills it.
