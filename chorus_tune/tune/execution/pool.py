@@ -617,25 +617,19 @@ class ChorusPool:
         """Bucket ``name`` says ``member`` no longer needs its slot: it
         ``"finished"`` (its results still drain from the bucket), or ``"failed"``
         (with ``error``) or was ``"reaped"``. The slot goes to a waiting member."""
-        if reason == "failed" and error is not None and self._still_bound(member):
+        self.book.out(member, reason)
+        if reason == "reaped":
+            self.history.note(name, reason, member)
+        if self.placement is None or self.placement.bucket_of(member) != name:
+            return  # its trial left (``_forget``): no one will ask for it
+        if reason == "failed" and error is not None:
             # Kept for its trial, which may not have asked yet: ChorusSearch seats
             # members ahead of their trials, and in a bucket already running one
             # can fail before Tune starts its trial. Asking then, the trial found
             # the member nowhere and failed with an error that said nothing of it.
             self._unplaced[member] = error
-        self.book.out(member, reason)
-        if reason == "reaped":
-            self.history.note(name, reason, member)
-        if self.placement is None or self.placement.bucket_of(member) != name:
-            return
         await self._apply(self.placement.remove(member))
         self._later_compact(name)
-
-    def _still_bound(self, member: str) -> bool:
-        """Whether a trial may still ask for ``member``: it is seated, has a
-        home, or is placed. (One whose trial left is none of these.)"""
-        placed = self.placement is not None and self.placement.bucket_of(member) is not None
-        return placed or self.book.is_seated(member) or self.book.is_housed(member)
 
     def _later_compact(self, name: str) -> None:
         # Later, not now: a bucket must not shrink under the member that refills it.
