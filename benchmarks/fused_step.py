@@ -47,6 +47,16 @@ at K=16, -22% to +20% at K=64), far larger than the clipping. A bucket where
 no member clips skips it altogether.
 
     .venv/bin/python benchmarks/fused_step.py --clip-cost [--ks 16,64] [--models mlp64] [--threads 1]
+
+``--loss-form`` measures what the vmap form of cross entropy
+(``chorus_tune.losses.vmap_form``) gives a fused step: for each K, two buckets
+of the same members on the vmap route, one whose vmapped calls take torch's
+``F.cross_entropy`` (what a bucket ran before: under vmap, torch's Python
+decomposition of ``nll_loss`` on every call) and one the vmap form (log-softmax
+and a gather, the same values bit for bit), timed interleaved, best of
+``--repeats``; ms per fused step (training and the iteration's evaluation).
+
+    .venv/bin/python benchmarks/fused_step.py --loss-form [--ks 16,64] [--models mlp64] [--threads 1]
 """
 from __future__ import annotations
 
@@ -201,6 +211,8 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="written after every row")
     parser.add_argument("--clip-cost", action="store_true",
                         help="time max_grad_norm clipping on against off instead (see the docstring)")
+    parser.add_argument("--loss-form", action="store_true",
+                        help="time torch's cross_entropy under vmap against its vmap form instead (see the docstring)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -226,6 +238,8 @@ def main() -> None:
     env = environment(device)
     if args.clip_cost:
         return clip_cost(workloads, args, device, env)
+    if args.loss_form:
+        return loss_form(workloads, args, device, env)
     rows = []
     # What each ratio divides: the K-model loop is uncompiled unless said otherwise.
     baseline = {"ratio": "K torch.nn models with torch.optim, one after another, uncompiled, over fused"}
@@ -308,11 +322,25 @@ def clip_op_seconds(bucket: ct.Bucket, device: torch.device, calls: int = 200) -
     return best
 
 
+def print_setting(args: argparse.Namespace, device: torch.device, env: dict) -> None:
+    print(f"device={device} ({env['device_name'] or env['cpu']}) torch={torch.__version__} "
+          f"threads={torch.get_num_threads()} steps={args.steps} optimizer={args.optimizer} (best of {args.repeats})")
+
+
+def best_interleaved(buckets: dict, repeats: int, device: torch.device) -> dict:
+    """Each bucket's best iteration time over ``repeats``, timed in turn
+    (interleaved: drifting load hits every bucket alike)."""
+    best = {key: float("inf") for key in buckets}
+    for _ in range(repeats):
+        for key, bucket in buckets.items():
+            best[key] = min(best[key], time_fused(bucket, device))
+    return best
+
+
 def clip_cost(workloads: dict, args: argparse.Namespace, device: torch.device, env: dict) -> None:
     """ms per fused step with per-member ``max_grad_norm`` clipping off and on, side by side."""
     rows = []
-    print(f"device={device} ({env['device_name'] or env['cpu']}) torch={torch.__version__} "
-          f"threads={torch.get_num_threads()} steps={args.steps} optimizer={args.optimizer} (best of {args.repeats})")
+    print_setting(args, device, env)
     print(f"{'model':8} {'K':>3} {'off ms/step':>12} {'on ms/step':>11} {'cost':>7} {'clip op ms':>11}  route")
     for name, (factory, data) in workloads.items():
         task = ct.Task(factory, data, optimizer=args.optimizer, batch_size=64, iteration_steps=args.steps)
@@ -324,10 +352,7 @@ def clip_cost(workloads: dict, args: argparse.Namespace, device: torch.device, e
                     bucket.add(dict(c, max_grad_norm=clip))
                 bucket.run_iteration()  # route probe and warm-up
                 buckets[clip] = bucket
-            best = {clip: float("inf") for clip in buckets}
-            for _ in range(args.repeats):  # interleaved: drifting load hits both alike
-                for clip, bucket in buckets.items():
-                    best[clip] = min(best[clip], time_fused(bucket, device))
+            best = best_interleaved(buckets, args.repeats, device)
             off, on = (1000 * best[c] / args.steps for c in (None, 1.0))
             op = 1000 * clip_op_seconds(buckets[1.0], device)
             rows.append(dict(model=name, k=k, off_ms_per_step=off, on_ms_per_step=on, cost=on / off - 1,
@@ -338,6 +363,34 @@ def clip_cost(workloads: dict, args: argparse.Namespace, device: torch.device, e
                 with open(args.json, "w") as fh:
                     json.dump({**env, "steps": args.steps, "optimizer": args.optimizer, "repeats": args.repeats,
                                "clip_cost": rows}, fh, indent=2)
+
+
+def loss_form(workloads: dict, args: argparse.Namespace, device: torch.device, env: dict) -> None:
+    """ms per fused step on the vmap route, torch's cross entropy against its vmap form, side by side."""
+    rows = []
+    print_setting(args, device, env)
+    print(f"{'model':8} {'K':>3} {'torch ms/step':>14} {'vmap form ms/step':>18} {'ratio':>6}")
+    for name, (factory, data) in workloads.items():
+        task = ct.Task(factory, data, optimizer=args.optimizer, batch_size=64, iteration_steps=args.steps)
+        for k in (int(v) for v in args.ks.split(",")):
+            buckets = {}
+            for form in ("torch", "vmap_form"):
+                bucket = ct.Bucket(task, k, device=device, route="vmap")
+                if form == "torch":
+                    bucket._vmap_fns = bucket._eager_fns  # what a bucket ran before: F.cross_entropy under vmap
+                for c in configs(k, args.optimizer):
+                    bucket.add(c)
+                bucket.run_iteration()  # warm-up
+                buckets[form] = bucket
+            best = best_interleaved(buckets, args.repeats, device)
+            before, after = (1000 * best[f] / args.steps for f in ("torch", "vmap_form"))
+            rows.append(dict(model=name, k=k, torch_ms_per_step=before, vmap_form_ms_per_step=after,
+                             ratio=before / after))
+            print(f"{name:8} {k:>3} {before:>14.3f} {after:>18.3f} {before / after:>6.2f}", flush=True)
+            if args.json:
+                with open(args.json, "w") as fh:
+                    json.dump({**env, "steps": args.steps, "optimizer": args.optimizer, "repeats": args.repeats,
+                               "loss_form": rows}, fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -149,10 +149,10 @@ class Bucket:
         self._shared: SharedBatches | None = None
         self._loss = task.loss_fn
         # One object each, for the life of the bucket: the compiled route
-        # keeps one graph per function it is handed.
-        self._train_fn = mean_loss(self._loss)
-        self._smoothed_fn = losses.smoothing_parts(self._loss)  # only members with label_smoothing use it
-        self._eval_fn = _eval_stats(self._loss, task.is_classification)
+        # keeps one graph per function it is handed. The vmapped routes take
+        # the loss's vmap form (the same values; losses.vmap_form says why).
+        self._eager_fns = _Objectives.of(self._loss, task.is_classification)
+        self._vmap_fns = _Objectives.of(losses.vmap_form(self._loss), task.is_classification)
         self.fused_steps = 0
         self.max_group: int | None = None
         self.oom_recoveries = 0
@@ -598,6 +598,9 @@ class Bucket:
         idx = plan.index[s] if rows is None else plan.index[s, rows]
         return x[idx], y[idx], False
 
+    def _objectives(self, route: str | None) -> "_Objectives":
+        return self._eager_fns if route == "eager" else self._vmap_fns
+
     def _fused_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool, slots: list[int],
                     route: str | None, gather: bool) -> torch.Tensor:
         """``fn(output, target)`` of ``slots`` as a ``(capacity, ...)`` tensor
@@ -610,14 +613,15 @@ class Bucket:
                     smoothing: torch.Tensor | None = None) -> torch.Tensor:
         for p in self.stack.params.values():
             p.grad = None
+        fns = self._objectives(route)
         if smoothing is None:
-            member_losses = self._fused_call(self._train_fn, x, y, shared, live, route, gather)
+            member_losses = self._fused_call(fns.train, x, y, shared, live, route, gather)
         else:
             # Label smoothing per member: the fused call gives each member's
             # [cross entropy, smoothing term]; its own eps mixes them, as
             # F.cross_entropy(label_smoothing=eps) would (losses.smoothing_parts).
             # A member without smoothing takes the plain cross entropy as is.
-            parts = self._fused_call(self._smoothed_fn, x, y, shared, live, route, gather)
+            parts = self._fused_call(fns.smoothed, x, y, shared, live, route, gather)
             smoothed = (1 - smoothing) * parts[:, 0] + smoothing * parts[:, 1]
             member_losses = torch.where(smoothing > 0, smoothed, parts[:, 0])
         # Sum, not mean, over members: each member's gradient keeps the scale of
@@ -639,7 +643,8 @@ class Bucket:
         # too (flattened after its sums: one tensor, so every route stacks
         # it), kept for the whole split: a metric such as F1 or AUC is not a
         # mean of per-batch values (chorus_tune/task_metrics.py).
-        fn, n_stats = (self._eval_fn, None) if not metrics else self._eval_with_outputs()
+        stats_fn = self._objectives(route).evaluate
+        fn, n_stats = (stats_fn, None) if not metrics else self._eval_with_outputs(stats_fn)
         total, count, outputs, targets = None, 0, [], []
         for x, y in eval_batches(self._val, self.task.eval_batch_size, self.device):
             batch = self._fused_call(fn, x, y, True, live, route, gather).float()
@@ -657,11 +662,10 @@ class Bucket:
             return out, {}
         return self._task_metrics(live, metrics, torch.cat(outputs, dim=1), torch.cat(targets), out)
 
-    def _eval_with_outputs(self) -> tuple[Callable, int]:
+    def _eval_with_outputs(self, stats_fn: Callable) -> tuple[Callable, int]:
         """The evaluation's function when task metrics need the outputs: the
         member's sums, then its outputs flattened; ``fn.output_shape`` holds the
         outputs' shape (one member's, as its forward saw it) once called."""
-        stats_fn = self._eval_fn
         n_stats = 2 if self.task.is_classification else 1
 
         def fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -788,6 +792,21 @@ class Bucket:
     def _restore_state(self, snapshot: _Snapshot) -> None:
         self.stack.restore(snapshot.stack)
         self.optimizer.restore(snapshot.optimizer)
+
+
+@dataclass(frozen=True)
+class _Objectives:
+    """What a fused call computes per member, built on one form of the loss:
+    ``train`` (mean loss), ``smoothed`` (``losses.smoothing_parts``, only for
+    members with label smoothing) and ``evaluate`` (sums on a batch)."""
+
+    train: Callable
+    smoothed: Callable
+    evaluate: Callable
+
+    @classmethod
+    def of(cls, loss_fn: Callable, classification: bool) -> "_Objectives":
+        return cls(mean_loss(loss_fn), losses.smoothing_parts(loss_fn), _eval_stats(loss_fn, classification))
 
 
 def _eval_stats(loss_fn: Callable, classification: bool) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -13,6 +13,40 @@ def cross_entropy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(output, target, reduction="none")
 
 
+IGNORE_INDEX = -100  # F.cross_entropy's default ignore_index: such a target's loss is 0
+
+
+def _cross_entropy_by_gather(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``cross_entropy`` as vmap runs it natively: the same values and
+    gradients, bit for bit (tests/test_losses.py), in float32 under autocast as
+    torch's is. Why: vmap has no batching rule for ``nll_loss``, so under vmap
+    ``F.cross_entropy`` runs torch's Python decomposition of it on every call,
+    and that calls ``torch._check``, which imports sympy on first use: 0.47
+    CPU-s in every bucket process, before its first fused step (measured on
+    this project's 2-core machine). A whole fused step takes as long either way
+    (``benchmarks/fused_step.py --loss-form``: 0.94-1.06 times, the machine's
+    noise). Class probabilities and unbatched outputs go to torch's own."""
+    if target.is_floating_point() or output.dim() < 2:
+        return cross_entropy(output, target)
+    if torch.is_autocast_enabled(output.device.type):
+        output = output.float()  # autocast runs cross_entropy in float32
+    picked = torch.log_softmax(output, dim=1).gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
+    return torch.where(target == IGNORE_INDEX, torch.zeros_like(picked), -picked)
+
+
+# The form a vmapped call uses for a named loss whose torch form vmaps slowly.
+# Only there: the eager route and chorus_tune.reference (plain Tune in the
+# benchmarks) keep torch's fused kernel.
+_VMAP_FORMS: dict[LossFn, LossFn] = {cross_entropy: _cross_entropy_by_gather}
+
+
+def vmap_form(loss_fn: LossFn) -> LossFn:
+    """The form of ``loss_fn`` for calls under ``torch.vmap``: the same values
+    and gradients, without a per-call Python decomposition where torch has
+    one (``cross_entropy``); any other loss as it is."""
+    return _VMAP_FORMS.get(loss_fn, loss_fn)
+
+
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     # A (B,) target against a (B, 1) output would broadcast to (B, B) and train on
     # nonsense without an error: match the shapes first.
@@ -66,7 +100,7 @@ def smoothing_parts(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], t
         class_dim = 1 if output.dim() > 1 else 0
         smooth = -F.log_softmax(output, dim=class_dim).sum(class_dim)
         if not target.is_floating_point():
-            smooth = smooth.masked_fill(target == -100, 0.0)
+            smooth = smooth.masked_fill(target == IGNORE_INDEX, 0.0)
         return torch.stack([ce, (smooth.mean() / output.shape[class_dim]).to(ce.dtype)])
     return fn
 

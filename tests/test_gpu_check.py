@@ -80,6 +80,18 @@ def test_fused_step_variants_side_by_side_and_the_summary(tmp_path):
     assert summary.returncode == 0 and "mlp64 K=2: eager/fused fp32" in summary.stdout, summary.stdout
 
 
+def test_fused_step_times_torch_s_cross_entropy_against_its_vmap_form_side_by_side(tmp_path):
+    out = tmp_path / "loss_form.json"
+    done = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "fused_step.py"), "--loss-form", "--device", "cpu", "--models", "mlp64",
+         "--ks", "2", "--steps", "2", "--repeats", "1", "--threads", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (row,) = json.loads(out.read_text())["loss_form"]
+    assert (row["model"], row["k"]) == ("mlp64", 2)
+    assert row["ratio"] == pytest.approx(row["torch_ms_per_step"] / row["vmap_form_ms_per_step"])
+
+
 def test_gpu_summary_reads_a_vs_tune_and_a_share_card_report(tmp_path):
     env = {"device": "cuda", "device_name": "card", "driver": "1.0", "torch": "t", "torch_cuda": "c"}
     row = {"workload": "cifar-cnn3", "trials": 64, "scheduler": "fifo", "epochs": 2,

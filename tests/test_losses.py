@@ -1,0 +1,104 @@
+"""The vmap form of a named loss (``losses.vmap_form``): what a vmapped fused
+call computes in its place must be the loss itself, value and gradient, bit for bit."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from chorus_tune import losses
+
+
+def _values_and_grads(loss_fn, output: torch.Tensor, target: torch.Tensor):
+    output = output.detach().clone().requires_grad_(True)
+    values = loss_fn(output, target)
+    (grad,) = torch.autograd.grad(values.sum(), output)
+    return values, grad
+
+
+@pytest.mark.parametrize("case", ["classes", "ignore_index", "spatial"])
+def test_the_vmap_form_of_cross_entropy_is_torch_s_bit_for_bit_value_and_gradient(case):
+    torch.manual_seed(0)
+    if case == "spatial":  # (N, C, d1, d2) logits, (N, d1, d2) targets: the class dimension is 1
+        output, target = torch.randn(4, 10, 5, 6), torch.randint(0, 10, (4, 5, 6))
+    else:
+        output, target = torch.randn(64, 10) * 4, torch.randint(0, 10, (64,))
+        if case == "ignore_index":
+            target[::7] = losses.IGNORE_INDEX  # torch counts these as 0, with no gradient
+    expected = _values_and_grads(losses.cross_entropy, output, target)
+    got = _values_and_grads(losses.vmap_form(losses.cross_entropy), output, target)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    if case == "ignore_index":
+        assert (got[0][target == losses.IGNORE_INDEX] == 0).all()
+
+
+def test_the_vmap_form_of_cross_entropy_runs_in_float32_under_autocast_as_torch_s_does():
+    torch.manual_seed(0)
+    layer, x, target = torch.nn.Linear(20, 10), torch.randn(64, 20), torch.randint(0, 10, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output = layer(x)
+        expected = losses.cross_entropy(output, target)
+        got = losses.vmap_form(losses.cross_entropy)(output, target)
+    assert output.dtype == torch.bfloat16 and got.dtype == expected.dtype == torch.float32
+    assert torch.equal(got, expected)
+
+
+def test_the_vmap_form_of_cross_entropy_under_vmap_matches_torch_per_member():
+    torch.manual_seed(0)
+    outputs, targets = torch.randn(8, 32, 10), torch.randint(0, 10, (8, 32))
+    fused = torch.func.vmap(torch.func.grad(lambda o, t: losses.vmap_form(losses.cross_entropy)(o, t).mean()))
+    got = fused(outputs, targets)
+    for k in range(8):
+        expected = torch.func.grad(lambda o: F.cross_entropy(o, targets[k]))(outputs[k])  # noqa: B023
+        assert torch.equal(got[k], expected), k
+
+
+def test_class_probability_targets_go_to_torch_s_own_cross_entropy():
+    torch.manual_seed(0)
+    output, probabilities = torch.randn(16, 5), torch.softmax(torch.randn(16, 5), dim=1)
+    assert torch.equal(losses.vmap_form(losses.cross_entropy)(output, probabilities),
+                       F.cross_entropy(output, probabilities, reduction="none"))
+
+
+def test_other_losses_have_no_other_form():
+    assert losses.vmap_form(losses.mse) is losses.mse
+
+    def custom(output, target):
+        return (output - target).abs().mean(dim=1)
+
+    assert losses.vmap_form(custom) is custom
+
+
+def test_a_vmapped_cross_entropy_step_imports_no_sympy():
+    # Torch's decomposition of nll_loss, which vmap runs for F.cross_entropy,
+    # imports sympy (through torch._check): 0.47 CPU-s in every bucket process.
+    # As a bucket trains: vmap forward, autograd backward (torch.func.grad
+    # itself imports torch._dynamo, and sympy with it; the bucket never calls it).
+    script = (
+        "import sys, torch\n"
+        "from chorus_tune import losses\n"
+        "o, t = torch.randn(4, 8, 10, requires_grad=True), torch.randint(0, 10, (4, 8))\n"
+        "torch.vmap(lambda o, t: losses.vmap_form(losses.cross_entropy)(o, t).mean())(o, t).sum().backward()\n"
+        "print('sympy' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_a_bucket_on_the_vmap_route_trains_and_evaluates_without_importing_sympy():
+    # The bucket hands its vmapped calls the vmap form (training and evaluation).
+    script = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(__file__.rsplit('/', 1)[0])!r})\n"
+        "import chorus_tune as ct\n"
+        "from models import mlp_task\n"
+        "bucket = ct.Bucket(mlp_task(), 2, route='vmap')\n"
+        "for lr in (0.05, 0.1):\n"
+        "    bucket.add({'lr': lr}, seed=1)\n"
+        "results = bucket.run_iteration()\n"
+        "assert {r['route'] for r in results.values()} == {'vmap'}, results\n"
+        "print('sympy' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "False"
