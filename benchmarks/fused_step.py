@@ -66,6 +66,7 @@ import os
 import platform
 import sys
 import time
+from typing import Callable
 
 import torch
 from torch import nn
@@ -337,61 +338,74 @@ def best_interleaved(buckets: dict, repeats: int, device: torch.device) -> dict:
     return best
 
 
-def clip_cost(workloads: dict, args: argparse.Namespace, device: torch.device, env: dict) -> None:
-    """ms per fused step with per-member ``max_grad_norm`` clipping off and on, side by side."""
+def side_by_side(workloads: dict, args: argparse.Namespace, device: torch.device, env: dict, report: str,
+                 builds: dict, row: Callable[[str, int, dict, dict], dict]) -> None:
+    """For each workload and K: one bucket per entry of ``builds`` (``label ->
+    build(task, k)``), warmed up, then timed interleaved (``best_interleaved``);
+    ``row(model, k, ms_per_step by label, buckets by label)`` prints the row and
+    returns it. Rows go to ``--json`` under ``report`` after every one."""
     rows = []
-    print_setting(args, device, env)
-    print(f"{'model':8} {'K':>3} {'off ms/step':>12} {'on ms/step':>11} {'cost':>7} {'clip op ms':>11}  route")
     for name, (factory, data) in workloads.items():
         task = ct.Task(factory, data, optimizer=args.optimizer, batch_size=64, iteration_steps=args.steps)
         for k in (int(v) for v in args.ks.split(",")):
             buckets = {}
-            for clip in (None, 1.0):
-                bucket = ct.Bucket(task, k, device=device)
-                for c in configs(k, args.optimizer):
-                    bucket.add(dict(c, max_grad_norm=clip))
+            for label, build in builds.items():
+                bucket = build(task, k)
                 bucket.run_iteration()  # route probe and warm-up
-                buckets[clip] = bucket
+                buckets[label] = bucket
             best = best_interleaved(buckets, args.repeats, device)
-            off, on = (1000 * best[c] / args.steps for c in (None, 1.0))
-            op = 1000 * clip_op_seconds(buckets[1.0], device)
-            rows.append(dict(model=name, k=k, off_ms_per_step=off, on_ms_per_step=on, cost=on / off - 1,
-                             clip_op_ms=op, route=buckets[1.0].route))
-            print(f"{name:8} {k:>3} {off:>12.3f} {on:>11.3f} {100 * (on / off - 1):>+6.1f}% {op:>11.4f}  "
-                  f"{buckets[1.0].route}", flush=True)
+            rows.append(row(name, k, {label: 1000 * s / args.steps for label, s in best.items()}, buckets))
             if args.json:
                 with open(args.json, "w") as fh:
                     json.dump({**env, "steps": args.steps, "optimizer": args.optimizer, "repeats": args.repeats,
-                               "clip_cost": rows}, fh, indent=2)
+                               report: rows}, fh, indent=2)
+
+
+def clip_cost(workloads: dict, args: argparse.Namespace, device: torch.device, env: dict) -> None:
+    """ms per fused step with per-member ``max_grad_norm`` clipping off and on, side by side."""
+    print_setting(args, device, env)
+    print(f"{'model':8} {'K':>3} {'off ms/step':>12} {'on ms/step':>11} {'cost':>7} {'clip op ms':>11}  route")
+
+    def clipping(clip: float | None) -> Callable[[ct.Task, int], ct.Bucket]:
+        def build(task: ct.Task, k: int) -> ct.Bucket:
+            bucket = ct.Bucket(task, k, device=device)
+            for c in configs(k, args.optimizer):
+                bucket.add(dict(c, max_grad_norm=clip))
+            return bucket
+        return build
+
+    def row(name: str, k: int, ms: dict, buckets: dict) -> dict:
+        off, on = ms[None], ms[1.0]
+        op = 1000 * clip_op_seconds(buckets[1.0], device)
+        print(f"{name:8} {k:>3} {off:>12.3f} {on:>11.3f} {100 * (on / off - 1):>+6.1f}% {op:>11.4f}  "
+              f"{buckets[1.0].route}", flush=True)
+        return dict(model=name, k=k, off_ms_per_step=off, on_ms_per_step=on, cost=on / off - 1,
+                    clip_op_ms=op, route=buckets[1.0].route)
+
+    side_by_side(workloads, args, device, env, "clip_cost", {None: clipping(None), 1.0: clipping(1.0)}, row)
 
 
 def loss_form(workloads: dict, args: argparse.Namespace, device: torch.device, env: dict) -> None:
     """ms per fused step on the vmap route, torch's cross entropy against its vmap form, side by side."""
-    rows = []
     print_setting(args, device, env)
     print(f"{'model':8} {'K':>3} {'torch ms/step':>14} {'vmap form ms/step':>18} {'ratio':>6}")
-    for name, (factory, data) in workloads.items():
-        task = ct.Task(factory, data, optimizer=args.optimizer, batch_size=64, iteration_steps=args.steps)
-        for k in (int(v) for v in args.ks.split(",")):
-            buckets = {}
-            for form in ("torch", "vmap_form"):
-                bucket = ct.Bucket(task, k, device=device, route="vmap")
-                if form == "torch":
-                    bucket._vmap_fns = bucket._eager_fns  # what a bucket ran before: F.cross_entropy under vmap
-                for c in configs(k, args.optimizer):
-                    bucket.add(c)
-                bucket.run_iteration()  # warm-up
-                buckets[form] = bucket
-            best = best_interleaved(buckets, args.repeats, device)
-            before, after = (1000 * best[f] / args.steps for f in ("torch", "vmap_form"))
-            rows.append(dict(model=name, k=k, torch_ms_per_step=before, vmap_form_ms_per_step=after,
-                             ratio=before / after))
-            print(f"{name:8} {k:>3} {before:>14.3f} {after:>18.3f} {before / after:>6.2f}", flush=True)
-            if args.json:
-                with open(args.json, "w") as fh:
-                    json.dump({**env, "steps": args.steps, "optimizer": args.optimizer, "repeats": args.repeats,
-                               "loss_form": rows}, fh, indent=2)
 
+    def form(torch_form: bool) -> Callable[[ct.Task, int], ct.Bucket]:
+        def build(task: ct.Task, k: int) -> ct.Bucket:
+            bucket = ct.Bucket(task, k, device=device, route="vmap")
+            if torch_form:
+                bucket._vmap_fns = bucket._eager_fns  # what a bucket ran before: F.cross_entropy under vmap
+            for c in configs(k, args.optimizer):
+                bucket.add(c)
+            return bucket
+        return build
+
+    def row(name: str, k: int, ms: dict, buckets: dict) -> dict:
+        before, after = ms["torch"], ms["vmap_form"]
+        print(f"{name:8} {k:>3} {before:>14.3f} {after:>18.3f} {before / after:>6.2f}", flush=True)
+        return dict(model=name, k=k, torch_ms_per_step=before, vmap_form_ms_per_step=after, ratio=before / after)
+
+    side_by_side(workloads, args, device, env, "loss_form", {"torch": form(True), "vmap_form": form(False)}, row)
 
 if __name__ == "__main__":
     main()

@@ -31,9 +31,19 @@ from ..observe.actor_log import log_to_actor_stdout
 
 logger = logging.getLogger(__name__)
 
+CHECKPOINT_FORMAT = 1
+_LEAVE_TIMEOUT_S = 30.0
+_PLACEMENT_POLL_S = 10.0  # how often a trial waiting for its bucket asks the pool what it waits for
+# Every ChorusTrainable class with a task made in this process: a ChorusSearch
+# without task= sends a scout only if the run's trainable can be one of these.
+_TASK_CLASSES: "weakref.WeakSet[type]" = weakref.WeakSet()
 # The jobs whose pool this process has started early, by Ray instance (a new
 # local Ray numbers its jobs from 1 again).
 _POOL_STARTED: set[tuple[str, str]] = set()
+
+
+def task_classes_exist() -> bool:
+    return len(_TASK_CLASSES) > 0
 
 
 def _start_pool_early() -> None:
@@ -48,24 +58,14 @@ def _start_pool_early() -> None:
     creates the pool if it is not there, and reports what goes wrong then."""
     context = ray.get_runtime_context()
     job = context.get_job_id()
-    if (context.gcs_address, job) in _POOL_STARTED:
+    started = (context.gcs_address, job)
+    if started in _POOL_STARTED:
         return
-    _POOL_STARTED.add((context.gcs_address, job))
+    _POOL_STARTED.add(started)
     try:
         get_pool(create=True)
     except Exception:  # noqa: BLE001 - best effort; setup creates it and raises for itself
         logger.debug("could not start the pool of job %s early", job, exc_info=True)
-
-CHECKPOINT_FORMAT = 1
-_LEAVE_TIMEOUT_S = 30.0
-# Every ChorusTrainable class with a task made in this process: a ChorusSearch
-# without task= sends a scout only if the run's trainable can be one of these.
-_TASK_CLASSES: "weakref.WeakSet[type]" = weakref.WeakSet()
-
-
-def task_classes_exist() -> bool:
-    return len(_TASK_CLASSES) > 0
-_PLACEMENT_POLL_S = 10.0  # how often a trial waiting for its bucket asks the pool what it waits for
 
 
 class BucketLost(RuntimeError):
