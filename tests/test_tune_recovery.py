@@ -302,9 +302,11 @@ def test_stock_asha_wastes_at_most_run_ahead_per_stopped_trial(tmp_path):
 def test_tuner_restore_resumes_unfinished_trials_in_fresh_buckets(tmp_path):
     address = ray.get_runtime_context().gcs_address
     env = {**os.environ, "TUNE_GLOBAL_CHECKPOINT_S": "0", "PYTHONPATH": HERE, "CHORUS_TEST_DRIVER": "1"}
-    driver = subprocess.Popen([sys.executable, os.path.join(HERE, "tune_restore_driver.py"), address,
-                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                              env=env)
+    # Its stderr goes to a file that a failure shows (a warning that it was killed unsettled, say).
+    driver_log = tmp_path / "driver.stderr"
+    with open(driver_log, "w") as stderr:
+        driver = subprocess.Popen([sys.executable, os.path.join(HERE, "tune_restore_driver.py"), address,
+                                   str(tmp_path)], stdout=subprocess.PIPE, stderr=stderr, text=True, env=env)
     told, old_job = False, None
     try:
         for line in driver.stdout:
@@ -316,7 +318,9 @@ def test_tuner_restore_resumes_unfinished_trials_in_fresh_buckets(tmp_path):
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait(timeout=30)
-    assert told and old_job
+    driver_said = driver_log.read_text()[-4000:]
+    assert told and old_job, driver_said
+    assert "killing anyway" not in driver_said, driver_said
     # The dead driver's pool notices its job ended and goes, with its buckets.
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -331,7 +335,7 @@ def test_tuner_restore_resumes_unfinished_trials_in_fresh_buckets(tmp_path):
 
     task = digits_task()
     results = tune.Tuner.restore(str(tmp_path / "restore_me"), trainable=make_trainable()).fit()
-    assert len(results) == 3 and not results.errors
+    assert len(results) == 3 and not results.errors, driver_said
     job = ray.get_runtime_context().get_job_id()
     for r in results:
         assert r.metrics["training_iteration"] == 6

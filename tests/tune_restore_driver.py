@@ -22,32 +22,41 @@ def make_trainable():
 
 
 def _state_settled(staging_dir: str, experiment_dir: str, trials: int, quiet_s: float = 0.5) -> bool:
-    """Whether the experiment state in the storage path ``experiment_dir`` is
-    the driver's last word: the same bytes as Tune's own copy in
-    ``staging_dir`` (which it uploads from, in a background thread), written
-    after that copy, unchanged for ``quiet_s``, listing ``trials`` trials.
+    """Whether the experiment's files in the storage path ``experiment_dir``
+    are the driver's last word: every file of Tune's own copy in
+    ``staging_dir`` (which it uploads from, in a background thread) is there
+    with the same bytes, written after that copy, none written in the last
+    ``quiet_s``, and the experiment state lists ``trials`` trials.
 
     "Written after" is what makes a kill safe: this runs in a callback, which
     holds Tune's loop, so no state is saved and no upload launched meanwhile,
-    but one launched after the last save may not have reached the file yet,
-    and a kill while it writes leaves the file cut short (a full run saw
+    but one launched after the last save may not have reached the files yet,
+    and a kill while it writes leaves a file cut short (a full run saw
     "Failed to restore the run state": JSONDecodeError at char 60218, with
-    the older check, which looked at the storage copy alone)."""
-    for local in glob.glob(os.path.join(staging_dir, "experiment_state-*.json")):
-        stored = os.path.join(experiment_dir, os.path.basename(local))
-        try:
+    a check that looked at the storage copy alone). Every file, not the
+    experiment state alone: one upload writes them one after another, and
+    the search's state (``basic-variant-state-*.json``) is JSON that the
+    restore reads too."""
+    state_files = glob.glob(os.path.join(staging_dir, "experiment_state-*.json"))
+    if not state_files:
+        return False
+    try:
+        for local in glob.glob(os.path.join(staging_dir, "*")) + glob.glob(os.path.join(staging_dir, ".*")):
+            if not os.path.isfile(local):
+                continue  # the trials' folders: each trial writes its own, in the storage path
+            stored = os.path.join(experiment_dir, os.path.basename(local))
             written = os.path.getmtime(stored)
             if written < os.path.getmtime(local) or time.time() - written < quiet_s:
-                continue
+                return False
             with open(local, "rb") as f:
                 ours = f.read()
             with open(stored, "rb") as f:
-                theirs = f.read()
-            if ours == theirs and len(json.loads(theirs)["trial_data"]) == trials:
-                return True
-        except (OSError, ValueError, KeyError):
-            continue  # not there yet, or being written
-    return False
+                if f.read() != ours:
+                    return False
+        with open(os.path.join(experiment_dir, os.path.basename(state_files[0])), "rb") as f:
+            return len(json.loads(f.read())["trial_data"]) == trials
+    except (OSError, ValueError, KeyError):
+        return False  # not there yet, or being written
 
 
 class _Slow(Callback):
