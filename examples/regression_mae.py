@@ -1,7 +1,7 @@
 """Tune a regression model on its own metric, MAE, with ChorusASHA deciding on it.
 
     python examples/regression_mae.py          # 32 trials, up to 16 epochs
-    python examples/regression_mae.py --fast   # 8 trials, 4 epochs (a smoke test)
+    python examples/regression_mae.py --fast   # 4 trials, 4 epochs (a smoke test)
 
 The model trains on squared error (``loss="mse"``), but what the user cares
 about is the mean absolute error on held-out data, so that is what the sweep
@@ -52,7 +52,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fast", action="store_true")
     args = parser.parse_args()
-    trials, epochs, bucket = (8, 4, 8) if args.fast else (32, 16, 16)
+    trials, epochs, bucket = (4, 4, 4) if args.fast else (32, 16, 16)
 
     ray.init(configure_logging=False, include_dashboard=False)
     task = Task(mlp, data, loss="mse", optimizer="adam", batch_size=64, metrics={"val_mae": mae})
