@@ -23,6 +23,7 @@ import contextlib
 import os
 import sys
 import time
+import warnings
 
 import pytest
 import ray
@@ -56,7 +57,23 @@ def local_ray():
         _SHARED["gcs_address"] = ray.get_runtime_context().gcs_address
     yield
     if ray.is_initialized() and not _wait_until_free(FREE_WAIT_S):
+        # Said, not silent: a restart costs the next module its Ray and its pool.
+        warnings.warn(f"local_ray: not free after {FREE_WAIT_S:.0f} s, shut down; held by {_held()}", stacklevel=1)
         ray.shutdown()
+
+
+def _held() -> str:
+    """The CPUs in use and the actors alive, by class and job: what kept the instance from being free."""
+    try:
+        alive: dict[str, int] = {}
+        for actor in ray._private.state.actors().values():
+            if actor.get("State") == "ALIVE":
+                key = f"{actor.get('ActorClassName')} (job {actor.get('JobID')})"
+                alive[key] = alive.get(key, 0) + 1
+        used = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
+        return f"{used:g} CPU in use; alive: {alive}"
+    except Exception as exc:  # noqa: BLE001 - a diagnosis only
+        return f"(could not tell: {exc!r})"
 
 
 _OBSERVED: dict = {}  # the observed head while it runs: "head", "metrics_port", "stack"
