@@ -39,10 +39,14 @@ trap 'exit 130' INT TERM
 
 # No cache plugin in the Ray-free half: two pytests writing .pytest_cache at once would race.
 # At the lowest priority (nice 19): it is there to fill the Ray tests' idle
-# core, not to take a core they could use. Measured, the Ray tests of one
-# commit: 575 s alone, 672 s beside the Ray-free tests at equal priority, 608 s
-# beside them niced (which then took 289 s instead of 100, all of it within the
-# Ray tests' time).
+# core, not to take a core they could use. Ray starts its workers (trial
+# actors, buckets, pools) at nice 15 (RAY_worker_niceness), so at nice 0 these
+# tests took about 97% of any core they shared with one (CFS weights 1024
+# against 36), and at nice 19 about 30% (15 against 36). Measured, the Ray
+# tests of one commit: 575 s alone, 672 s beside the Ray-free tests at nice 0,
+# 608 s beside them at nice 19 (which then took 289 s instead of 100, all of
+# it within the Ray tests' time). SCHED_IDLE as well (chrt --idle) was not
+# kept: 638 s on the next commit, within this machine's run-to-run spread.
 nice -n 19 "$PY" -m pytest -q -m "not ray" -p no:cacheprovider "$@" >"$core_log" 2>&1 &
 core_pid=$!
 
