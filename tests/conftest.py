@@ -19,6 +19,7 @@ pytest.mark.ray``) — carries the ``ray`` marker, so ``make test-core``
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import sys
@@ -65,13 +66,10 @@ def local_ray():
 def _held() -> str:
     """The CPUs in use and the actors alive, by class and job: what kept the instance from being free."""
     try:
-        alive: dict[str, int] = {}
-        for actor in ray._private.state.actors().values():
-            if actor.get("State") == "ALIVE":
-                key = f"{actor.get('ActorClassName')} (job {actor.get('JobID')})"
-                alive[key] = alive.get(key, 0) + 1
+        alive = collections.Counter(f"{a.get('ActorClassName')} (job {a.get('JobID')})"
+                                    for a in ray._private.state.actors().values() if a.get("State") == "ALIVE")
         used = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
-        return f"{used:g} CPU in use; alive: {alive}"
+        return f"{used:g} CPU in use; alive: {dict(alive)}"
     except Exception as exc:  # noqa: BLE001 - a diagnosis only
         return f"(could not tell: {exc!r})"
 

@@ -41,14 +41,14 @@ def _state_settled(staging_dir: str, experiment_dir: str, trials: int, quiet_s: 
     if not state_files:
         return False
     try:
-        for local in glob.glob(os.path.join(staging_dir, "*")) + glob.glob(os.path.join(staging_dir, ".*")):
-            if not os.path.isfile(local):
+        for local in os.scandir(staging_dir):
+            if not local.is_file():
                 continue  # the trials' folders: each trial writes its own, in the storage path
-            stored = os.path.join(experiment_dir, os.path.basename(local))
+            stored = os.path.join(experiment_dir, local.name)
             written = os.path.getmtime(stored)
-            if written < os.path.getmtime(local) or time.time() - written < quiet_s:
+            if written < local.stat().st_mtime or time.time() - written < quiet_s:
                 return False
-            with open(local, "rb") as f:
+            with open(local.path, "rb") as f:
                 ours = f.read()
             with open(stored, "rb") as f:
                 if f.read() != ours:
