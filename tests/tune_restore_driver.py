@@ -60,13 +60,23 @@ def _state_settled(staging_dir: str, experiment_dir: str, trials: int, quiet_s: 
 
 
 class _Slow(Callback):
-    """Slows the run so that it can be stopped mid-way, and says when: after
-    six results, once the experiment state written after the last step is
-    whole in the storage path (see ``_state_settled``; a fixed 2 s wait was
-    not always enough in a full suite run: the restore then found 1 trial of
-    3, "Failed to restore the run state")."""
+    """Slows the run so that it can be stopped mid-way, and says when: once
+    six results are in and the experiment state is whole in the storage path
+    (see ``_state_settled``; a fixed 2 s wait was not always enough in a full
+    suite run: the restore then found 1 trial of 3, "Failed to restore the run
+    state").
+
+    The wait happens at a step's end, right after Tune saved the state and
+    launched its upload, and lets go of Tune's loop when the upload does not
+    come: Tune skips an upload while the one before it still runs, and the
+    next one is launched only by a later step. A wait inside
+    ``on_trial_result`` held the loop at that point and never saw the files
+    match (a CI run: "state not settled after 30 s")."""
 
     results = 0
+    armed_at = None
+    settle_s = 3.0  # one wait; an upload of these few small files takes milliseconds
+    give_up_s = 60.0
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         # Tuner.restore brings this callback back in the test's own driver: inert there.
@@ -74,15 +84,23 @@ class _Slow(Callback):
             return
         self.results += 1
         if self.results == 6:
-            deadline = time.monotonic() + 30
-            while not _state_settled(trial.local_experiment_path, trial.remote_experiment_path, len(trials)):
-                if time.monotonic() > deadline:
-                    print("state not settled after 30 s: killing anyway", file=sys.stderr, flush=True)
-                    break
-                time.sleep(0.1)
-            print("KILL ME", flush=True)
-            time.sleep(60)
+            self.armed_at = time.monotonic()
         time.sleep(0.2)
+
+    def on_step_end(self, iteration, trials, **info):
+        if self.armed_at is None or os.environ.get("CHORUS_TEST_DRIVER") != "1":
+            return
+        staging, stored = trials[0].local_experiment_path, trials[0].remote_experiment_path
+        deadline = time.monotonic() + self.settle_s
+        while not _state_settled(staging, stored, len(trials)):
+            if time.monotonic() > deadline:
+                if time.monotonic() - self.armed_at < self.give_up_s:
+                    return  # let Tune step (and upload) again
+                print(f"state not settled after {self.give_up_s:.0f} s: killing anyway", file=sys.stderr, flush=True)
+                break
+            time.sleep(0.1)
+        print("KILL ME", flush=True)
+        time.sleep(60)
 
 
 def main(address: str, storage: str) -> None:
