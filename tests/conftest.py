@@ -64,12 +64,19 @@ def local_ray():
 
 
 def _held() -> str:
-    """The CPUs in use and the actors alive, by class and job: what kept the instance from being free."""
+    """The CPUs in use, the actors alive by class and job, the placement groups not removed by job, and
+    the jobs that ended: what kept the instance from being free."""
     try:
         alive = collections.Counter(f"{a.get('ActorClassName')} (job {a.get('JobID')})"
                                     for a in ray._private.state.actors().values() if a.get("State") == "ALIVE")
         used = ray.cluster_resources().get("CPU", 0) - ray.available_resources().get("CPU", 0)
-        return f"{used:g} CPU in use; alive: {dict(alive)}"
+        # A placement group's id ends with its creator's job id.
+        table = ray.util.placement_group_table()
+        groups = collections.Counter(f"{g['state']} {g['bundles']} (job {pg_id[-8:]})"
+                                     for pg_id, g in table.items() if g["state"] != "REMOVED")
+        dead_jobs = sorted(j.get("JobID") for j in ray._private.state.jobs() if j.get("IsDead"))
+        return (f"{used:g} CPU in use; alive: {dict(alive)}; placement groups: {dict(groups)}; "
+                f"jobs ended: {dead_jobs}")
     except Exception as exc:  # noqa: BLE001 - a diagnosis only
         return f"(could not tell: {exc!r})"
 
