@@ -88,7 +88,7 @@ class _Slow(Callback):
         time.sleep(0.2)
 
     def on_step_end(self, iteration, trials, **info):
-        if self.armed_at is None or os.environ.get("CHORUS_TEST_DRIVER") != "1":
+        if self.armed_at is None:  # not six results yet, or inert (armed only in the test's driver)
             return
         staging, stored = trials[0].local_experiment_path, trials[0].remote_experiment_path
         deadline = time.monotonic() + self.settle_s
