@@ -25,6 +25,7 @@ from chorus_tune.tune.execution.pool import NAMESPACE, get_pool, pool_name
 
 from cluster_support import (
     GPUS_PER_WORKER,
+    NODE_LOSS_REUSE,
     OpenBuckets,
     assert_on_reference,
     fake_cluster,
@@ -162,7 +163,8 @@ def test_a_lost_node_loses_only_its_buckets_and_their_trials_resume_on_the_other
         # Buckets of 2: the four GPUs' buckets hold the 8 trials, two of them on the node removed.
         results = sweep(str(tmp_path / "runs"), trials=8, bucket_size=2, iterations=NODE_LOSS_ITERATIONS,
                         callbacks=[remover], failure_config=tune.FailureConfig(max_failures=3),
-                        checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1))
+                        checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1),
+                        reuse_actors=NODE_LOSS_REUSE)
 
     assert remover.removed is not None
     survivor = next(w.node_id for w in workers if w.node_id != remover.removed)

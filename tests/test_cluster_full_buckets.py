@@ -29,6 +29,13 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers canno
 pytestmark = pytest.mark.cluster
 
 ITERATIONS = 8
+# Tune's cached actors are part of this test's scenario (members of finished
+# trials hold the survivor's slots while their actors wait in Tune's cache), so
+# it keeps reuse_actors. A cached actor that died with the removed node costs
+# the trial it is handed to two failures (cluster_support.NODE_LOSS_REUSE), on
+# top of its own loss: room for that, and every recovery must be the node's loss.
+MAX_FAILURES = 8
+NODE_LOSS_ERRORS = ("BucketLost", "its node has died")
 
 
 class RemoveAWorkerAtTheFourthReport(tune.Callback):
@@ -39,6 +46,7 @@ class RemoveAWorkerAtTheFourthReport(tune.Callback):
         self.cluster, self.workers = cluster, workers
         self.removed: str | None = None
         self.at_two: set[str] = set()
+        self.recovered: list[str] = []  # the error each recovery was from
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "cluster": None, "workers": []}
@@ -51,17 +59,25 @@ class RemoveAWorkerAtTheFourthReport(tune.Callback):
             self.cluster.remove_node(next(w for w in self.workers if w.node_id == node_id))
             self.removed = node_id
 
+    def on_trial_recover(self, iteration, trials, trial, **info):
+        with open(trial.error_file) as f:  # Tune appends each failure under "Failure # n"
+            self.recovered.append(f.read().rsplit("Failure # ", 1)[-1])
+
 
 def test_a_lost_full_bucket_s_trials_wait_for_the_survivor_s_gpu_and_finish(tmp_path):
     with fake_cluster(workers=2, gpus_per_worker=1, head_cpus=1) as (fake, workers):
         remover = RemoveAWorkerAtTheFourthReport(fake, workers)
         with never_hangs():
             results = sweep(str(tmp_path / "runs"), trials=8, bucket_size=4, iterations=ITERATIONS,
-                            search=False, callbacks=[remover], failure_config=tune.FailureConfig(max_failures=3),
+                            search=False, callbacks=[remover],
+                            failure_config=tune.FailureConfig(max_failures=MAX_FAILURES),
                             checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1))
         stats = bucket_stats()
     assert remover.removed is not None
     assert len(results) == 8 and not results.errors
+    # Every retry was for the node's loss (a bucket lost, or an actor that died with it), none for another fault.
+    assert remover.recovered
+    assert all(any(cause in text for cause in NODE_LOSS_ERRORS) for text in remover.recovered), remover.recovered
     for result in results:
         assert result.metrics["training_iteration"] == ITERATIONS
         assert_on_reference(result, ITERATIONS)
