@@ -121,7 +121,7 @@ def _stop_observed() -> None:
         stack.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def script_ray_env(local_ray) -> dict[str, str]:
     """What a script a test starts needs in its environment to join the shared
     Ray as a driver (a job) of its own, as a user's script joins a running
