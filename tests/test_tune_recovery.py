@@ -17,7 +17,8 @@ from ray.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 
 from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
-from chorus_tune.tune.execution.pool import NAMESPACE, pool_name
+from chorus_tune.tune.execution.options import Join
+from chorus_tune.tune.execution.pool import NAMESPACE, NEED_TASK, call_pool, get_pool, pool_name
 from chorus_tune.tune.trial.checkpoint import member_state
 
 from tune_support import by_iteration, digits_task, history, run_config
@@ -173,6 +174,55 @@ def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead, reuse_
                  if after == pytest.approx([seen.val_loss[d][i] for i in (3, 4)], rel=SAME_STATE_TOL)]
         assert donor, f"trial {t} follows no donor after the exploit"
         _assert_same_member_state(final[t], final[donor[0]])
+
+
+class _SlowMLP(torch.nn.Module):
+    """An MLP whose every forward takes 0.1 s: the bucket's iterations last about 1 s."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+    def forward(self, x):
+        time.sleep(0.1)
+        return self.net(x)
+
+
+def _slow_mlp(config):
+    return _SlowMLP()
+
+
+def _reserve(trainable, trial: str, config: dict, seed: int):
+    """What a ChorusTrainable's first step reserves: ``(reservation, bucket handle)``."""
+    args = (trial, trainable._task_id, None, config, trainable.bucket_options(), None, seed)
+    reply = call_pool("reserve", *args)
+    if reply == NEED_TASK:
+        reply = call_pool("reserve", trial, trainable._task_id, trainable._task_blob, *args[3:])
+    handle = reply.handle or ray.get(get_pool().await_placement.remote(reply.member), timeout=60)[1]
+    return reply, handle
+
+
+def test_a_trial_reserving_while_its_last_member_still_leaves_gets_the_member_its_join_builds():
+    # As Tune's actor reuse does it (a PBT exploit, a resume): reset_config sends
+    # the last trial's leave without waiting for it (ChorusTrainable._leave),
+    # then the same actor reserves for the same trial at once, while the bucket
+    # holds that leave until its running iteration ends. Seen before the fix:
+    # the new member was taken for the old one, its join (here a new lr) was
+    # ignored, and the leave then removed it ("member ... is not in bucket").
+    task = digits_task(_slow_mlp)
+    trainable = ChorusTrainable.for_task(task, bucket_size=1, run_ahead=2)
+    trial, seed = "restarts-at-once", 11
+    old, bucket = _reserve(trainable, trial, {"lr": 0.05}, seed)
+    ray.get(bucket.next_result.remote(old.member, Join(config={"lr": 0.05}, seed=seed, plan=old.plan)), timeout=60)
+    # The bucket now trains iteration 2 ahead (run_ahead), under its lock.
+    get_pool().trial_left.remote(trial, old.token)  # not waited for, as reset_config does
+    new, bucket = _reserve(trainable, trial, {"lr": 0.5}, seed)
+    join = Join(config={"lr": 0.5}, seed=seed, plan=new.plan)
+    read = [ray.get(bucket.next_result.remote(new.member, join), timeout=60),
+            ray.get(bucket.next_result.remote(new.member), timeout=60)]
+    assert [r["iteration"] for r in read] == [1, 2]
+    assert [r["val_loss"] for r in read] == pytest.approx(_reference_losses(task, {"lr": 0.5}, seed, 2), rel=1e-5)
+    ray.get(get_pool().trial_left.remote(trial, new.token), timeout=60)
 
 
 def test_killed_trial_actor_is_reaped_and_the_others_finish(tmp_path):

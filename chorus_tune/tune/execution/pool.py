@@ -36,6 +36,7 @@ from .bucket_history import BucketHistory
 from .closing import Watches, compact_after_s, compaction_due, idle_close_s, stays_idle
 from .cluster import node_cpus, pool_scheduling_strategy
 from .grouping import GroupKey, split_from
+from .leaving import Leaving
 from .members import Plan
 from .opening import actor_options, bucket_options
 from .options import BucketOptions, Join, RungSchedule
@@ -190,6 +191,7 @@ class ChorusPool:
         self._waiting: dict[str, asyncio.Future] = {}
         self._closing = Watches()  # buckets closing once drained
         self._idle = Watches()  # empty buckets waiting to be drained before they close
+        self.leaving = Leaving()  # members whose bucket is not yet told they left: not placed again until it is
         # members whose placement failed, or that failed in their bucket: why, for a trial that asks later
         self._unplaced: dict[str, BaseException] = {}
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
@@ -323,9 +325,10 @@ class ChorusPool:
         its bytes). A trial bound to a seated member reads that member; any
         other gets a member of its own (named by its trial id, seeded with
         ``seed``), placed in a bucket of its structure. Never waits for a
-        slot: Tune calls this from ``setup``/``reset_config``, and a trial
-        blocked there holds Tune's actor bookkeeping. Raises what the model
-        factory raises for ``config``."""
+        slot (the trial waits in :meth:`await_placement`, saying what for);
+        it may wait for the trial's last member to leave its bucket, at most
+        that bucket's running iteration. Raises what the model factory raises
+        for ``config``."""
         self._start()
         if not self._learn_task(task_id_, task_blob):
             return NEED_TASK
@@ -335,6 +338,10 @@ class ChorusPool:
             # restore in this job): what its member holds is stale for it. It
             # gets a member of its own (restored from its checkpoint, if any).
             await self.trial_left(trial_id)
+        # Its member's name (its trial id) comes back only once its last leave
+        # reached the bucket (leaving.py says what happened before: an actor's
+        # leave is not waited for, and the bucket holds it to the iteration's end).
+        await self.leaving.finished(trial_id, options.result_timeout_s)
         if self.scouts.is_expected(trial_id):
             self._hold_scout(trial_id, task_id_, options)
         member = self.readers.bound_member(trial_id, self.book.is_seated)  # None once lost with its bucket
@@ -600,15 +607,19 @@ class ChorusPool:
             placed_in = self.placement.bucket_of(member) if self.placement is not None else None
             self.history.note(name or placed_in, reason, member)
         update = self.placement.remove(member) if self.placement is not None else Update()
+        self.leaving.start(member)  # ended by _left, which always follows
         return name, update
 
     async def _left(self, member: str, name: str | None, update: Update, notify_bucket: bool = True) -> None:
         """The rest of ``member`` leaving (see :meth:`_forget`): its bucket is told, the update applied."""
-        if name is not None and notify_bucket and name in self.handles:
-            try:
-                await self.handles[name].leave.remote(member)
-            except RayActorError:
-                pass  # the bucket died: its death watch cleans up
+        try:
+            if name is not None and notify_bucket and name in self.handles:
+                try:
+                    await self.handles[name].leave.remote(member)
+                except RayActorError:
+                    pass  # the bucket died: its death watch cleans up
+        finally:
+            self.leaving.end(member)
         await self._apply(update)
         if name is not None:
             self._later_compact(name)
