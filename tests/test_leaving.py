@@ -1,4 +1,4 @@
-"""Members on their way out of their buckets (Leaving, Ray-free): a name comes back only once every leave of it is over."""
+"""Members on their way out of their buckets (Leaving, Ray-free): a name comes back once every leave of it is over."""
 import asyncio
 
 import pytest
