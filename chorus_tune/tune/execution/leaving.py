@@ -8,7 +8,7 @@ reuses that name. Placed while its last leave still waited in the bucket, the
 new member was taken there for the old one: its join (the restored state, the
 new config) was ignored, the trial read the old member's queued results, and
 then the leave landed and took the new member with it ("member ... is not in
-bucket"). Seen in ``examples/pbt.py`` with ``reuse_actors=True``, 2 runs in 5,
+bucket"). Seen in ``examples/pbt.py`` with ``reuse_actors=True``, 3 runs in 21,
 where ``reset_config`` leaves without waiting (``ChorusTrainable._leave``) and
 the same actor reserves again at once. The pool waits for :meth:`Leaving.finished`
 before it places a name again.
