@@ -30,14 +30,18 @@ from tune_support import by_iteration, digits, digits_task, mlp
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import this module
 
-HEAD_CPUS = 2
+# One shape for every cluster test (a module's tests share one cluster: a
+# start costs about 12 CPU-s of every node's Ray processes and 8 s here). One
+# GPU per worker: one bucket per worker, so a lost worker's trials must wait
+# for the survivor's card (issue 20), and half the bucket actors of two each.
+HEAD_CPUS = 1
 WORKER_CPUS = 2
-GPUS_PER_WORKER = 2
+GPUS_PER_WORKER = 1
 # A sweep that goes past this fails instead of hanging the suite (the machine
 # has 2 cores shared by every node's processes: a minute or two is usual).
 RUN_LIMIT_S = 480
 # Why a node-loss sweep runs without reuse_actors unless cached actors are what
-# it tests. Seen in a full run (test_cluster_full_buckets): after a worker was
+# it tests. Seen in a full run (the full-buckets test in test_cluster.py): after a worker was
 # removed, Tune handed a recovering trial a cached trial actor that had died
 # with that node (a cached actor's death is noticed only when it is used). The
 # reset on it failed with ActorDiedError, and Tune counted that as two of the
@@ -76,6 +80,18 @@ def fake_cluster(workers: int = 2, gpus_per_worker: int = GPUS_PER_WORKER, head_
         finally:
             ray.shutdown()
             cluster.shutdown()
+
+
+def with_workers(cluster, workers: list, count: int) -> list:
+    """The alive ones of ``workers``, and new nodes of the module's shape
+    added to ``cluster`` until there are ``count`` (a test that removed one
+    leaves the cluster short for the next)."""
+    alive = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    kept = [w for w in workers if w.node_id in alive]
+    while len(kept) < count:
+        kept.append(cluster.add_node(num_cpus=WORKER_CPUS, num_gpus=GPUS_PER_WORKER))
+    cluster.wait_for_nodes()
+    return kept
 
 
 @contextmanager
