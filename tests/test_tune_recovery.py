@@ -18,7 +18,7 @@ from ray.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
 from chorus_tune.tune.execution.options import Join
-from chorus_tune.tune.execution.pool import NAMESPACE, NEED_TASK, call_pool, get_pool, pool_name
+from chorus_tune.tune.execution.pool import NAMESPACE, call_pool, get_pool, pool_name
 from chorus_tune.tune.trial.checkpoint import member_state
 
 from tune_support import by_iteration, digits_task, history, run_config
@@ -193,11 +193,11 @@ def _slow_mlp(config):
 
 
 def _reserve(trainable, trial: str, config: dict, seed: int):
-    """What a ChorusTrainable's first step reserves: ``(reservation, bucket handle)``."""
-    args = (trial, trainable._task_id, None, config, trainable.bucket_options(), None, seed)
-    reply = call_pool("reserve", *args)
-    if reply == NEED_TASK:
-        reply = call_pool("reserve", trial, trainable._task_id, trainable._task_blob, *args[3:])
+    """What a ChorusTrainable's first step reserves: ``(reservation, bucket handle)``. The task's
+    bytes go with every call (the trainable sends them only when the pool asks), so no call
+    is answered ``NEED_TASK``."""
+    reply = call_pool("reserve", trial, trainable._task_id, trainable._task_blob, config,
+                      trainable.bucket_options(), None, seed)
     handle = reply.handle or ray.get(get_pool().await_placement.remote(reply.member), timeout=60)[1]
     return reply, handle
 
