@@ -224,6 +224,39 @@ def test_a_leave_during_an_iteration_frees_its_slot_after_it_and_harms_nobody():
         assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL)
 
 
+def test_a_member_watched_while_it_leaves_is_not_reaped_once_it_has_left(monkeypatch, caplog):
+    # The pool binds a trial (watch) while that trial's leave waits for the
+    # running iteration: the leave must not keep the watch. Seen before: once
+    # the trial actor ended, every reap interval "dropped" the member again.
+    from chorus_tune.tune.execution import liveness
+
+    monkeypatch.setattr(liveness, "dead_among", lambda ids: set(ids))  # every trial actor is gone
+    caplog.set_level(logging.INFO, logger="chorus_tune")
+
+    async def scenario():
+        bucket = make_bucket(2, reap_interval_s=0.02)
+        reaps = []
+        bucket.metrics.refresh = lambda: reaps.append(1)  # once per reap interval
+        gate = Gate(bucket._train)
+        bucket._train = gate
+        await seat(bucket, "ab", Plan(budget=2, bucket_decides=True))
+        await gate.reached()                       # iteration 1 holds the lock
+        leaving = asyncio.create_task(bucket.leave("a"))
+        await asyncio.sleep(0.05)                  # the leave waits for the lock
+        await bucket.watch("a", "trial-actor-of-a")
+        gate.opened.set()
+        await leaving
+        seen = len(reaps)
+        await until(lambda: len(reaps) >= seen + 3, timeout=10)
+        await bucket.close()
+        return bucket
+
+    bucket = asyncio.run(scenario())
+    assert "a" not in bucket.clients
+    assert bucket.reaped == []
+    assert not [m for m in caplog.messages if "dropped a" in m]
+
+
 def test_a_member_whose_trial_leaves_while_it_is_built_leaves_no_slot_behind():
     async def scenario():
         bucket = make_bucket(2)

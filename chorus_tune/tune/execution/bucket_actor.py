@@ -313,11 +313,19 @@ class ChorusBucket:
         stops = dict(self.book.stops.stopped)
         if record.in_slot:
             async with self._lock:  # slots change only between iterations
+                now = self.book.get(member)
+                if now is None or now.phase is Phase.LEFT:
+                    return False  # a leave that came meanwhile (the reaper's, say) has done it
                 slot = self.book.leave(member)
                 if slot is not None:
                     self.core.retire(slot)
         else:
             self.book.leave(member)  # no slot: nothing for a running iteration to see
+        # Again now that it has left: a watch (the pool binding its trial) may
+        # have come while the leave waited for the running iteration, and a
+        # client kept for a member that left would be "reaped" at every reap
+        # interval once that trial actor ends (leave answers False each time).
+        self.clients.pop(member, None)
         if self.book.wasted > wasted:
             logger.info("%s: member %s left with %d result(s) unread, wasted %d", self.name, member,
                         self.book.wasted - wasted, self.book.wasted)
@@ -570,10 +578,12 @@ class ChorusBucket:
                     if client in dead and self.clients.get(member) == client and member not in self._waiters:
                         # Also after a normal stop: Tune ends the actor, and its
                         # trial's leave may reach us after the reaper looked.
-                        logger.info("%s: dropping %s: the trial actor reading it is gone", self.name, member)
-                        self.reaped.append(member)
-                        await self.leave(member, keep_state=False)
-                        self._notify_pool(member, "reaped")
+                        if await self.leave(member, keep_state=False):
+                            logger.info("%s: dropped %s: the trial actor reading it is gone", self.name, member)
+                            self.reaped.append(member)
+                            self._notify_pool(member, "reaped")
+                        else:  # it had left already: nothing to reap, nothing to watch
+                            self.clients.pop(member, None)
             except Exception:  # noqa: BLE001 - the reaper must survive anything
                 logger.exception("%s: reaper", self.name)
 
