@@ -129,39 +129,47 @@ def test_the_pool_lives_on_the_head_node_whoever_creates_it(cluster):
             ray.kill(ray.get_actor(name, namespace=NAMESPACE))
 
 
-class RemoveANodeMidSweep(tune.Callback):
-    """When a trial first reports iteration 2, removes the worker node that ran
-    its bucket; notes which trials recovered, and from what error, and every
-    result as Tune received it (a recovered trial's own table may hold only its
-    rows after the recovery)."""
+class RemoveAWorkerMidSweep(tune.Callback):
+    """Once ``reports`` trials have reported iteration 2, removes the worker
+    node that ran the reporting trial's bucket. Notes every result as Tune
+    received it (a recovered trial's own table may hold only its rows after the
+    recovery) and, per trial, the error each of its recoveries was from."""
 
-    def __init__(self, cluster, workers):
-        self.cluster, self.workers = cluster, workers
+    def __init__(self, cluster, workers, reports: int = 1):
+        self.cluster, self.workers, self.reports = cluster, workers, reports
         self.removed: str | None = None
-        self.recovered: dict[str, str] = {}
+        self.at_two: set[str] = set()
         self.results: dict[str, list[dict]] = {}
+        self.recovered: dict[str, list[str]] = {}
 
     def __getstate__(self) -> dict:
         # Tune pickles its callbacks with the run's state (for Tuner.restore);
         # the cluster's handles cannot be, and a restored run would not need them.
         return {**self.__dict__, "cluster": None, "workers": []}
 
+    @property
+    def buckets(self) -> set[str]:
+        """Every bucket a result of this run came from."""
+        return {row["chorus/bucket"] for rows in self.results.values() for row in rows}
+
     def on_trial_result(self, iteration, trials, trial, result, **info):
         self.results.setdefault(trial.trial_id, []).append(
             {k: result[k] for k in ("training_iteration", "iteration", "val_loss", "chorus/bucket")})
-        if self.removed is None and result["training_iteration"] == 2:
+        if result["training_iteration"] == 2:
+            self.at_two.add(trial.trial_id)
+        if self.removed is None and len(self.at_two) >= self.reports:
             node_id = bucket_stats()[result["chorus/bucket"]]["node_id"]
             self.cluster.remove_node(next(w for w in self.workers if w.node_id == node_id))
             self.removed = node_id
 
     def on_trial_recover(self, iteration, trials, trial, **info):
-        with open(trial.error_file) as f:
-            self.recovered[trial.trial_id] = f.read()
+        with open(trial.error_file) as f:  # Tune appends each failure under "Failure # n"
+            self.recovered.setdefault(trial.trial_id, []).append(f.read().rsplit("Failure # ", 1)[-1])
 
 
 def test_a_lost_node_loses_only_its_buckets_and_their_trials_resume_on_the_other(fake, tmp_path):
     cluster, workers = fake
-    remover = RemoveANodeMidSweep(cluster, workers)
+    remover = RemoveAWorkerMidSweep(cluster, workers)
     with never_hangs():
         # Buckets of 4: the two GPUs' buckets hold the 8 trials, one of them on the node removed.
         results = sweep(str(tmp_path / "runs"), trials=8, bucket_size=4, iterations=NODE_LOSS_ITERATIONS,
@@ -180,8 +188,7 @@ def test_a_lost_node_loses_only_its_buckets_and_their_trials_resume_on_the_other
     # Only the removed node's buckets died; the pool (on the head) kept their
     # record. This run's buckets: those its results came from (the module's
     # earlier tests opened buckets of their own in the same pool).
-    ours = {row["chorus/bucket"] for rows in remover.results.values() for row in rows}
-    stats = {name: s for name, s in bucket_stats().items() if name in ours}
+    stats = {name: s for name, s in bucket_stats().items() if name in remover.buckets}
     lost = {name for name, s in stats.items() if s["node_id"] == remover.removed}
     assert lost and all(stats[name].get("died") for name in lost)
     assert not any(s.get("died") for name, s in stats.items() if name not in lost)
@@ -192,7 +199,7 @@ def test_a_lost_node_loses_only_its_buckets_and_their_trials_resume_on_the_other
     hit = [r for r in results if {row["chorus/bucket"] for row in remover.results[r.metrics["trial_id"]]} & lost]
     assert hit and {r.metrics["trial_id"] for r in hit} <= set(remover.recovered)
     assert all(stats[r.metrics["chorus/bucket"]]["node_id"] == survivor for r in hit)
-    assert any("died" in text for text in remover.recovered.values())
+    assert any("died" in text for texts in remover.recovered.values() for text in texts)
     # Every result Tune received from them after the loss continues their
     # reference trajectories, the member's own count equal to Tune's; at least
     # one went on from a checkpoint past iteration 1 (not from scratch).
@@ -229,38 +236,10 @@ FULL_MAX_FAILURES = 8
 NODE_LOSS_ERRORS = ("BucketLost", "its node has died")
 
 
-class RemoveAWorkerAtTheFourthReport(tune.Callback):
-    """Removes the worker that ran the reporting trial's bucket once 4 trials
-    have reported iteration 2; notes every bucket a result came from."""
-
-    def __init__(self, cluster, workers):
-        self.cluster, self.workers = cluster, workers
-        self.removed: str | None = None
-        self.at_two: set[str] = set()
-        self.buckets: set[str] = set()
-        self.recovered: list[str] = []  # the error each recovery was from
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "cluster": None, "workers": []}
-
-    def on_trial_result(self, iteration, trials, trial, result, **info):
-        self.buckets.add(result["chorus/bucket"])
-        if result["training_iteration"] == 2:
-            self.at_two.add(trial.trial_id)
-        if self.removed is None and len(self.at_two) >= 4:
-            node_id = bucket_stats()[result["chorus/bucket"]]["node_id"]
-            self.cluster.remove_node(next(w for w in self.workers if w.node_id == node_id))
-            self.removed = node_id
-
-    def on_trial_recover(self, iteration, trials, trial, **info):
-        with open(trial.error_file) as f:  # Tune appends each failure under "Failure # n"
-            self.recovered.append(f.read().rsplit("Failure # ", 1)[-1])
-
-
 def test_a_lost_full_bucket_s_trials_wait_for_the_survivor_s_gpu_and_finish(fake, tmp_path):
     cluster, workers = fake
     workers[:] = with_workers(cluster, workers, 2)  # the node-loss test before removed one
-    remover = RemoveAWorkerAtTheFourthReport(cluster, workers)
+    remover = RemoveAWorkerMidSweep(cluster, workers, reports=4)
     with never_hangs():
         results = sweep(str(tmp_path / "runs"), trials=8, bucket_size=4, iterations=FULL_ITERATIONS,
                         search=False, callbacks=[remover],
@@ -272,7 +251,8 @@ def test_a_lost_full_bucket_s_trials_wait_for_the_survivor_s_gpu_and_finish(fake
     assert len(results) == 8 and not results.errors
     # Every retry was for the node's loss (a bucket lost, or an actor that died with it), none for another fault.
     assert remover.recovered
-    assert all(any(cause in text for cause in NODE_LOSS_ERRORS) for text in remover.recovered), remover.recovered
+    assert all(any(cause in text for cause in NODE_LOSS_ERRORS)
+               for texts in remover.recovered.values() for text in texts), remover.recovered
     for result in results:
         assert result.metrics["training_iteration"] == FULL_ITERATIONS
         assert_on_reference(result, FULL_ITERATIONS)
