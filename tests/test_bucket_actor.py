@@ -258,6 +258,31 @@ def test_a_member_watched_while_it_leaves_is_not_reaped_once_it_has_left(monkeyp
     assert not [m for m in caplog.messages if "dropped a" in m]
 
 
+def test_threads_set_after_training_began_reach_the_thread_that_trains():
+    # The pool shares a CPU machine's cores among the open buckets, changing a
+    # bucket's threads as buckets open and close. A thread's OpenMP count is its
+    # own: set on the event loop's thread alone, it never reached the iterations.
+    import torch
+
+    before = torch.get_num_threads()
+
+    async def scenario():
+        bucket = make_bucket(2)
+        await seat(bucket, "a", Plan(budget=1, bucket_decides=True))
+        await bucket.next_result("a")  # the thread that trains exists now
+        seen = []
+        for threads in (1, 2):
+            await bucket.set_threads(threads)
+            seen.append(await bucket._in_thread(torch.get_num_threads))
+        await bucket.close()
+        return seen
+
+    try:
+        assert asyncio.run(scenario()) == [1, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_member_whose_trial_leaves_while_it_is_built_leaves_no_slot_behind():
     async def scenario():
         bucket = make_bucket(2)

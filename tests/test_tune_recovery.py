@@ -17,6 +17,7 @@ from ray.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 
 from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
+from chorus_tune.tune import result_keys as rk
 from chorus_tune.tune.execution.options import Join
 from chorus_tune.tune.execution.pool import NAMESPACE, call_pool, get_pool, pool_name
 from chorus_tune.tune.trial.checkpoint import member_state
@@ -83,13 +84,18 @@ class _Results(Callback):
     results table may hold only its rows since a PBT exploit restored it."""
 
     def __init__(self):
-        self.val_loss, self.first_lr = {}, {}
+        self.val_loss, self.first_lr, self.where = {}, {}, {}
 
     def on_trial_start(self, iteration, trials, trial, **info):
         self.first_lr.setdefault(trial.trial_id, trial.config["lr"])
 
     def on_trial_result(self, iteration, trials, trial, result, **info):
         self.val_loss.setdefault(trial.trial_id, {})[result["training_iteration"]] = result["val_loss"]
+        # Where each result was computed, for a failure to show (every result, repeats included).
+        self.where.setdefault(trial.trial_id, []).append(
+            {k.split("/")[-1]: result.get(k) for k in ("training_iteration", "iteration", rk.BUCKET, rk.SLOT,
+                                                       rk.BUCKET_ITERATION, rk.LIVE, rk.CAPACITY, rk.ROUTE,
+                                                       rk.SEED, rk.AHEAD)})
 
 
 # Clone and donor may train their last iterations in different buckets, one on
@@ -163,7 +169,9 @@ def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead, reuse_
         assert final[d]["optimizer"]["has_buffer"]
         assert all(t.abs().max() > 0 for per in final[d]["optimizer"]["tensors"].values() for t in per.values())
         expected = _reference_losses(task, {"lr": 0.5, "momentum": 0.9}, final[d]["seed"], 4)
-        assert [seen.val_loss[d][i] for i in (1, 2, 3, 4)] == pytest.approx(expected, rel=1e-5)
+        assert [seen.val_loss[d][i] for i in (1, 2, 3, 4)] == pytest.approx(expected, rel=1e-5), (
+            f"donor {d} (seed {final[d]['seed']}) off its reference {expected}; its results: {seen.where[d]}; "
+            f"every trial's: {seen.where}")
     for t in exploited:
         # rel=SAME_STATE_TOL, not tighter: on different routes the same member's
         # val_loss drifts apart by up to 5e-7 in 4 iterations at lr 0.5 (measured),

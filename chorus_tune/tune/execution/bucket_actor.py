@@ -287,7 +287,14 @@ class ChorusBucket:
         shares a CPU-only machine's cores among the buckets that are open)."""
         import torch
 
-        torch.set_num_threads(max(1, int(threads)))
+        count = max(1, int(threads))
+        torch.set_num_threads(count)  # this thread: the event loop's (states in and out)
+        # And the thread that trains: with OpenMP each thread keeps its own count,
+        # so one set here never reached an iteration once the worker thread existed
+        # (measured: it went on with 2 threads after 1 was set, so two buckets on a
+        # 2-core machine ran 4 threads, and a bucket left alone kept 1). Queued behind
+        # the running iteration: it applies from the next one.
+        await self._in_thread(torch.set_num_threads, count)
 
     async def set_plan(self, member: str, plan: Plan) -> None:
         """A plan learnt after the member joined (e.g. its scheduler's rungs)."""
