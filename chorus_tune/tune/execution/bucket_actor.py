@@ -308,6 +308,18 @@ class ChorusBucket:
         computed and nobody read counts as wasted. Idempotent; returns whether
         it was here."""
         self._start()
+        try:
+            return await self._leave(member, keep_state)
+        finally:
+            # A member that has left is watched no more, whichever leave did it:
+            # a watch (the pool binding its trial) may come while a leave waits
+            # for the running iteration, and a client kept for a member that left
+            # would be "reaped" once that trial actor ends.
+            record = self.book.get(member)
+            if record is None or record.phase is Phase.LEFT:
+                self.clients.pop(member, None)
+
+    async def _leave(self, member: str, keep_state: bool) -> bool:
         record = self.book.get(member)
         if record is None or record.phase is Phase.LEFT:
             return False
@@ -328,11 +340,6 @@ class ChorusBucket:
                     self.core.retire(slot)
         else:
             self.book.leave(member)  # no slot: nothing for a running iteration to see
-        # Again now that it has left: a watch (the pool binding its trial) may
-        # have come while the leave waited for the running iteration, and a
-        # client kept for a member that left would be "reaped" at every reap
-        # interval once that trial actor ends (leave answers False each time).
-        self.clients.pop(member, None)
         if self.book.wasted > wasted:
             logger.info("%s: member %s left with %d result(s) unread, wasted %d", self.name, member,
                         self.book.wasted - wasted, self.book.wasted)
@@ -585,12 +592,10 @@ class ChorusBucket:
                     if client in dead and self.clients.get(member) == client and member not in self._waiters:
                         # Also after a normal stop: Tune ends the actor, and its
                         # trial's leave may reach us after the reaper looked.
-                        if await self.leave(member, keep_state=False):
+                        if await self.leave(member, keep_state=False):  # False: it had left already
                             logger.info("%s: dropped %s: the trial actor reading it is gone", self.name, member)
                             self.reaped.append(member)
                             self._notify_pool(member, "reaped")
-                        else:  # it had left already: nothing to reap, nothing to watch
-                            self.clients.pop(member, None)
             except Exception:  # noqa: BLE001 - the reaper must survive anything
                 logger.exception("%s: reaper", self.name)
 
