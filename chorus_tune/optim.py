@@ -27,6 +27,7 @@ Learning-rate schedules live in :mod:`chorus_tune.schedules` (re-exported here).
 """
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -493,6 +494,28 @@ class StackedOptimizer:
         self._without_buffer = {new for new, old in enumerate(rows) if old in self._without_buffer}
         self._hyperparameters_changed()
         self._gathered = None
+
+    def gathered(self, rows: list[int], params: dict[str, Tensor]) -> "StackedOptimizer":
+        """An optimizer over copies of ``rows`` only, for ``params`` (a
+        :meth:`MemberStack.gathered` stack of the same rows). This one is not
+        touched; :meth:`put_back` copies the trained rows home."""
+        view = copy.copy(self)
+        view.select(rows, params)  # select rebinds every per-row attribute of the copy
+        return view
+
+    def put_back(self, rows: list[int], view: "StackedOptimizer") -> None:
+        """Copy the state ``view`` (from :meth:`gathered` with ``rows``) trained
+        back into ``rows``: step counts, momentum-buffer flags and state tensors.
+        Hyperparameters do not change in training and are not copied."""
+        index = torch.tensor(rows, device=self.steps.device)
+        self.steps.index_copy_(0, index, view.steps)
+        self.has_buffer.index_copy_(0, index, view.has_buffer)
+        for name, per_param in self.state.items():
+            for state_name, tensor in per_param.items():
+                tensor.index_copy_(0, index, view.state[name][state_name])
+        without = {rows[new] for new in view._without_buffer}
+        self._without_buffer.difference_update(rows)
+        self._without_buffer.update(without)
 
     def _hyperparameters_changed(self) -> None:
         self._terms = self._inputs = None

@@ -169,6 +169,28 @@ class MemberStack:
         self.skeletons = [self.skeletons[r] for r in rows]
         self.capacity = len(rows)
 
+    def gathered(self, rows: list[int]) -> "MemberStack":
+        """A stack of copies of ``rows`` only (row ``i`` is ``rows[i]``), sharing
+        this one's template and compiled calls: one iteration of a few live
+        members trains on it and costs what a bucket of ``len(rows)`` costs
+        (docs/design.md D5, D8). This stack is not touched; :meth:`put_back`
+        copies the trained rows home."""
+        view = copy.copy(self)
+        view.select(rows)  # select rebinds every per-row attribute of the copy, never this stack's
+        return view
+
+    def put_back(self, rows: list[int], view: "MemberStack") -> None:
+        """Copy every parameter and buffer of ``view`` (from :meth:`gathered`
+        with ``rows``) back into ``rows`` of this stack."""
+        index = torch.tensor(rows, device=self.device)
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.index_copy_(0, index, view.params[n].detach())
+            for n, b in self.buffers.items():
+                b.index_copy_(0, index, view.buffers[n])
+        for p in self.params.values():
+            p.grad = None
+
     def state_tensors(self) -> list[torch.Tensor]:
         return [*self.params.values(), *self.buffers.values()]
 

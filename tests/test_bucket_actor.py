@@ -453,8 +453,8 @@ def test_the_repr_ray_captures_at_creation_stays_true_while_the_bucket_trains_an
     assert repr(bucket) == captured
 
 
-STATUS = re.compile(r"test-bucket: iteration (\d+), live (\d+)/(\d+), trained (\d+), route (\w+), [\d.]+ s, "
-                    r"step ([\d.]+) ms, (\d+) samples/s, wasted (\d+)$")
+STATUS = re.compile(r"test-bucket: iteration (\d+), live (\d+)/(\d+), trained (\d+), rows (\d+), route (\w+), "
+                    r"[\d.]+ s, step ([\d.]+) ms, (\d+) samples/s, wasted (\d+)$")
 
 
 def test_each_iteration_writes_one_status_line_saying_what_its_results_say(caplog):
@@ -466,8 +466,11 @@ def test_each_iteration_writes_one_status_line_saying_what_its_results_say(caplo
         return [await bucket.next_result("a") for _ in range(2)]
 
     results = asyncio.run(scenario())
-    lines = [m.group(1, 2, 3, 4, 5, 8) for m in (STATUS.search(r.getMessage()) for r in caplog.records) if m]
-    assert lines == [(str(r[rk.BUCKET_ITERATION]), "2", "3", str(r[rk.LIVE]), r[rk.ROUTE], "0") for r in results]
+    lines = [m.group(1, 2, 3, 4, 5, 6, 9) for m in (STATUS.search(r.getMessage()) for r in caplog.records) if m]
+    assert lines == [(str(r[rk.BUCKET_ITERATION]), "2", "3", str(r[rk.LIVE]), str(r[rk.ROWS]), r[rk.ROUTE], "0")
+                     for r in results]
+    # Two members of three slots: the iterations gathered their two rows.
+    assert [r[rk.ROWS] for r in results] == [2, 2]
 
 
 def test_a_status_line_counts_every_trained_member_s_batches_the_last_iteration_included(caplog):
@@ -484,9 +487,9 @@ def test_a_status_line_counts_every_trained_member_s_batches_the_last_iteration_
     assert len(lines) == 2
     batch = digits_task().batch_size
     for line in lines:
-        step_s = float(line.group(6)) / 1000
+        step_s = float(line.group(7)) / 1000
         # As printed: step time to 0.01 ms, samples/s to 1.
-        assert float(line.group(7)) == pytest.approx(int(line.group(4)) * batch / step_s, rel=0.02, abs=1)
+        assert float(line.group(8)) == pytest.approx(int(line.group(4)) * batch / step_s, rel=0.02, abs=1)
 
 
 def test_a_member_that_leaves_with_unread_results_is_logged_as_wasted(caplog):

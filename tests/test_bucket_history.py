@@ -1,7 +1,8 @@
 """What the pool's stats say of every bucket (chorus_tune.tune.execution.bucket_history), no Ray."""
 from chorus_tune.tune.execution.bucket_history import BucketHistory
 
-LIVE = {"node_id": "n2", "wasted": 3, "iterations": 40, "route": "vmap", "max_queue": 2, "decision_points": [3]}
+LIVE = {"node_id": "n2", "wasted": 3, "iterations": 40, "route": "vmap", "max_queue": 2, "decision_points": [3],
+        "member_iterations": 90, "rows_computed": 120}
 
 
 def opened(trials=None):
@@ -49,6 +50,7 @@ def test_what_a_bucket_said_while_open_is_reported_and_kept_after_it_closes():
     history.closed("b1")
     later = history.report("b1", [])
     assert (later["closed"], later["iterations"], later["route"], later["wasted"]) == (True, 40, "vmap", 3)
+    assert (later["member_iterations"], later["rows_computed"]) == (90, 120)  # how full its iterations ran
     assert "max_queue" not in later and "decision_points" not in later  # true only while it is open
 
 

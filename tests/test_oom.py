@@ -259,18 +259,20 @@ def test_members_left_out_of_an_iteration_that_runs_out_stay_frozen(device):
         assert_follows_reference(task, bucket, slot, configs[slot], histories[slot])
 
 
-def test_batchnorm_rows_of_members_left_out_are_put_back_when_a_full_stack_step_runs_out(device):
-    # The full-stack vmap writes every row's BatchNorm statistics, left-out ones
-    # included, and puts those back only at the end: running out before then
-    # must not leave them changed.
+def test_batchnorm_rows_of_members_left_out_stay_frozen_when_a_gathered_step_runs_out(device):
+    # A group smaller than the stack trains on copies of its own rows (train-mode
+    # BatchNorm writes their statistics there), put back only once it completes:
+    # running out part-way must leave every row of the bucket as it was, the
+    # left-out member's included, and the retried groups must still be exact.
     task = ct.Task(guarded_cnn, IMAGES, optimizer="adam", batch_size=32, iteration_steps=3)
     bucket = ct.Bucket(task, 3, route="vmap")
     for seed in range(3):
         bucket.add(dict(lr=1e-3, seed=seed))
     frozen = rows_of(bucket, 2)
-    device.room, device.arm = 2, 2  # the second step of [0, 1], computed over all three rows
+    device.room, device.arm = 1, 2  # the second step of [0, 1], gathered as two rows
     out = bucket.run_iteration([0, 1])
-    assert sorted(out) == [0, 1] and bucket.oom_recoveries == 1
+    assert sorted(out) == [0, 1] and bucket.oom_recoveries == 1 and bucket.max_group == 1
+    assert device.rows[:2] == [2, 2] and set(device.rows[2:]) == {1}
     assert same(rows_of(bucket, 2), frozen)
 
 

@@ -11,6 +11,7 @@ SLOT = "chorus/slot"  # the member's slot when this result was computed
 BUCKET_ITERATION = "chorus/bucket_iteration"  # the bucket's fused iteration that computed this result
 ROUTE = "chorus/route"  # "vmap", "compiled" or "eager": how the fused step ran
 LIVE = "chorus/live"  # members trained in the fused iteration that computed this result
+ROWS = "chorus/rows"  # rows of the stack that iteration computed: LIVE where it gathered them, else every slot
 CAPACITY = "chorus/capacity"  # the bucket's slots then (less after compaction)
 SEED = "chorus/seed"  # the member's seed: reference.train(task, config, seed) replays it
 CAPACITY_FIT = "chorus/capacity_fit"  # bucket_size="auto" only: {k, a, b, free_bytes, fraction, source, reason}
@@ -35,6 +36,7 @@ ALL = (
     BUCKET_ITERATION,
     ROUTE,
     LIVE,
+    ROWS,
     CAPACITY,
     CAPACITY_FIT,
     OOM_RECOVERIES,

@@ -47,11 +47,13 @@ _MAX_QUEUE = 1024  # results one member may have waiting, whatever the memory al
 
 # One line per iteration in the bucket's log (the dashboard's Log link): the
 # iteration (``chorus/bucket_iteration`` of its results), members in slots /
-# slots when it ran, members it trained (``chorus/live``), route, seconds, the
+# slots when it ran, members it trained (``chorus/live``), the rows of the
+# stack it computed (``chorus/rows``: the trained ones where the iteration
+# gathered them, every slot where masked rows ran too), route, seconds, the
 # seconds per fused step, samples/s over all members, and wasted
 # member-iterations so far (counted when a member leaves with unread results).
-STATUS_LINE = ("%s: iteration %d, live %d/%d, trained %d, route %s, %.3f s, step %.2f ms, %.0f samples/s, "
-               "wasted %d")
+STATUS_LINE = ("%s: iteration %d, live %d/%d, trained %d, rows %d, route %s, %.3f s, step %.2f ms, "
+               "%.0f samples/s, wasted %d")
 
 
 class MemberError(RuntimeError):
@@ -132,6 +134,9 @@ class ChorusBucket:
         self.reaped: list[str] = []
         self.ever: list[str] = []
         self.iterations = 0
+        # Members trained and rows of the stack computed, over every iteration:
+        # their ratio is how full the iterations ran (bucket_stats()).
+        self.member_iterations = self.rows_computed = 0
         self.compactions = 0
         self._waiters: dict[str, asyncio.Future] = {}
         self._asked_at: dict[str, float] = {}  # member -> when its trial last asked for a result
@@ -515,7 +520,10 @@ class ChorusBucket:
                 states = await self._in_thread(self._states, sorted(out))
             seconds = time.perf_counter() - start
             self.iterations += 1
-            outputs = {members[slot]: (self._result(members[slot], slot, metrics, len(out)), states[slot])
+            rows = self.core.last_rows
+            self.member_iterations += len(out)
+            self.rows_computed += rows
+            outputs = {members[slot]: (self._result(members[slot], slot, metrics, len(out), rows), states[slot])
                        for slot, metrics in out.items()}
             freed = self.book.record(outputs)
             for slot in freed:
@@ -525,13 +533,15 @@ class ChorusBucket:
             self._resolve(member)
         for member in finished:
             self._notify_pool(member, "finished")
-        self._report(len(out), in_slots, capacity, batch, seconds)
+        self._report(len(out), rows, in_slots, capacity, batch, seconds)
 
     def _rows_cost_alike(self) -> bool:
-        """Whether the fused step computes every row of the stack, trained or
-        masked (the vmap routes, unless out-of-memory recovery gathers groups):
-        then members held at a decision point ride along for free."""
-        return self.core.route in ("vmap", "compiled") and self.core.max_group is None
+        """Whether the fused step may compute every row of the stack, trained
+        or masked: then members held at a decision point ride along for free.
+        Only the compiled route still runs masked rows (for groups of more than
+        half the stack: ``Bucket._trains_gathered``); everywhere else an
+        iteration gathers the rows it trains, and a rider would cost its row."""
+        return self.core.route == "compiled" and self.core.max_group is None
 
     def _train(self, slots: list[int]) -> tuple[dict[int, dict], dict[int, dict]]:
         out = self.core.run_iteration(slots)
@@ -547,22 +557,22 @@ class ChorusBucket:
             self._resolve(member)
             self._notify_pool(member, "failed", error)
 
-    def _result(self, member: str, slot: int, metrics: dict, live: int) -> dict[str, Any]:
+    def _result(self, member: str, slot: int, metrics: dict, live: int, rows: int) -> dict[str, Any]:
         return {**_member_metrics(metrics), rk.MEMBER: member, rk.BUCKET: self.name, rk.SLOT: slot,
                 rk.BUCKET_ITERATION: self.iterations,
                 rk.ROUTE: metrics.get("route", self.core.route), rk.ROUTE_REASON: self.core.route_reason.value,
-                rk.LIVE: live,
+                rk.LIVE: live, rk.ROWS: rows,
                 rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions,
                 rk.OOM_RECOVERIES: self.core.oom_recoveries, **self.capacity_fit}
 
-    def _report(self, trained: int, in_slots: int, capacity: int, batch: int, seconds: float) -> None:
+    def _report(self, trained: int, rows: int, in_slots: int, capacity: int, batch: int, seconds: float) -> None:
         steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
         self._steps_seen = self.core.fused_steps
         samples = steps * batch * trained
         self.metrics.iteration(steps, samples, seconds, self.core.route)
         self.metrics.members(self.live, self.core.capacity)
         self.metrics.wasted(self.book.wasted)
-        logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, self.core.route,
+        logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, rows, self.core.route,
                     seconds, 1000 * seconds / steps if steps else 0.0, samples / seconds if seconds > 0 else 0.0,
                     self.book.wasted)
 
@@ -637,6 +647,7 @@ class ChorusBucket:
             "ever": list(self.ever), "reaped": list(self.reaped),
             "route": self.core.route, "route_report": self.core.route_report(),
             "iterations": self.iterations, "fused_steps": self.core.fused_steps,
+            "member_iterations": self.member_iterations, "rows_computed": self.rows_computed,
             "compactions": self.compactions, "wasted": self.book.wasted, "max_queue": self.book.max_queue,
             **self.where(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),
             "pid": os.getpid(), "oom_recoveries": self.core.oom_recoveries,

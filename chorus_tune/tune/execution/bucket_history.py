@@ -10,8 +10,9 @@ from typing import Any
 
 # What an open bucket's describe() adds to its entry when the stats are read,
 # and what of that the entry keeps for when the bucket has closed.
-LIVE_REPORTED = ("node_id", "wasted", "iterations", "route", "max_queue", "decision_points")
-LIVE_KEPT = ("node_id", "wasted", "iterations", "route")
+LIVE_REPORTED = ("node_id", "wasted", "iterations", "route", "max_queue", "decision_points",
+                 "member_iterations", "rows_computed")
+LIVE_KEPT = ("node_id", "wasted", "iterations", "route", "member_iterations", "rows_computed")
 
 
 class BucketHistory:

@@ -1,0 +1,184 @@
+"""An iteration costs what its live members cost (docs/design.md D5, D8; issue 39).
+
+A group smaller than the stack trains on a stack gathered from its own rows,
+put back once it completes; a lone member of an ``"auto"`` bucket takes the
+eager route. Every member still follows its unfused reference, and the rows
+that sit an iteration out (retired, waiting, left out) stay frozen bit for bit.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import chorus_tune as ct
+from chorus_tune import reference
+
+from models import cnn, digits, mlp, params_close
+
+RTOL = 1e-5
+ROUTES = ["vmap", "eager"]
+
+
+def mlp_task(**kwargs) -> ct.Task:
+    kwargs.setdefault("iteration_steps", 5)
+    return ct.Task(mlp, digits(), batch_size=32, **kwargs)
+
+
+def cnn_task() -> ct.Task:
+    return ct.Task(cnn, digits(images=True), optimizer="adam", batch_size=32, iteration_steps=3)
+
+
+def configs(n: int) -> list[dict]:
+    return [dict(lr=0.01 * (i + 1), momentum=0.9, weight_decay=1e-4 * i, seed=i) for i in range(n)]
+
+
+def rows(bucket: ct.Bucket, slot: int) -> list[torch.Tensor]:
+    """Every tensor that makes ``slot`` itself: parameters, buffers, optimizer state."""
+    return [t[slot].detach().clone() for t in (*bucket.stack.state_tensors(), *bucket.optimizer.tensors())]
+
+
+def same_order(a: dict, b: dict) -> bool:
+    """Whether two batch-order states are the same place in the data."""
+    def same(x, y):
+        return torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
+    return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+
+
+def assert_follows_reference(task, bucket, slot, config, history):
+    expected, model = reference.train(task, config, iterations=len(history))
+    for ours, theirs in zip(history, expected):
+        assert math.isclose(ours["val_loss"], theirs["val_loss"], rel_tol=RTOL), (slot, ours, theirs)
+    params_close(bucket.export_model(slot), model, RTOL)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_an_iteration_of_few_live_members_computes_their_rows_only(route):
+    bucket = ct.Bucket(mlp_task(), 8, route=route)
+    for config in configs(8):
+        bucket.add(config)
+    for slot in range(2, 8):
+        bucket.retire(slot)
+    bucket.run_iteration()
+    assert bucket.last_rows == 2
+
+
+def test_a_full_stack_iteration_counts_every_row():
+    bucket = ct.Bucket(mlp_task(), 4, route="vmap")
+    for config in configs(4):
+        bucket.add(config)
+    bucket.run_iteration()
+    assert bucket.last_rows == 4
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_live_members_of_a_sparse_bucket_train_as_a_bucket_of_just_them(route):
+    # Bit for bit: gathered, the two live rows of eight run the very call a
+    # bucket of two runs (the same shapes, the same batches, the same rates).
+    task = mlp_task()
+    sparse, dense = ct.Bucket(task, 8, route=route), ct.Bucket(task, 2, route=route)
+    chosen = configs(8)
+    for config in chosen:
+        sparse.add(config)
+    for slot in (0, 1, 2, 4, 6, 7):
+        sparse.retire(slot)
+    for config in (chosen[3], chosen[5]):
+        dense.add(config)
+    for _ in range(2):
+        ours, theirs = sparse.run_iteration(), dense.run_iteration()
+        assert [ours[3]["val_loss"], ours[5]["val_loss"]] == [theirs[0]["val_loss"], theirs[1]["val_loss"]]
+    for a, b in ((3, 0), (5, 1)):
+        for x, y in zip(rows(sparse, a), rows(dense, b)):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("make_task", [mlp_task, cnn_task], ids=["mlp", "cnn_batchnorm"])
+def test_members_trained_in_a_chosen_subset_follow_their_references(route, make_task):
+    # A subset trains gathered while the others sit out; later the others catch
+    # up in a subset of their own. Each member stays on its own trajectory.
+    task = make_task()
+    chosen = configs(4)
+    bucket = ct.Bucket(task, 4, route=route)
+    slots = [bucket.add(c) for c in chosen]
+    history = {k: [] for k in slots}
+    for subset in ([0, 2], [0, 2], [1, 3], [1, 3], [0, 1, 2, 3]):
+        for k, metrics in bucket.run_iteration(subset).items():
+            history[k].append(metrics)
+    for k in slots:
+        assert_follows_reference(task, bucket, k, chosen[k], history[k])
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("make_task", [mlp_task, cnn_task], ids=["mlp", "cnn_batchnorm"])
+def test_rows_outside_the_gathered_group_stay_bit_for_bit_frozen(route, make_task):
+    bucket = ct.Bucket(make_task(), 4, route=route)
+    for config in configs(4):
+        bucket.add(config)
+    bucket.run_iteration()
+    bucket.retire(3)
+    waiting, retired = rows(bucket, 1), rows(bucket, 3)
+    order = bucket.members[1].order.state_dict()
+    bucket.run_iteration([0, 2])
+    assert all(torch.equal(a, b) for a, b in zip(rows(bucket, 1), waiting))
+    assert all(torch.equal(a, b) for a, b in zip(rows(bucket, 3), retired))
+    assert same_order(bucket.members[1].order.state_dict(), order) and bucket.iteration(1) == 1
+
+
+def test_a_lone_member_of_an_auto_bucket_trains_on_the_eager_route():
+    task = mlp_task()
+    chosen = configs(4)
+    bucket = ct.Bucket(task, 4, route="auto")
+    for config in chosen:
+        bucket.add(config)
+    bucket.run_iteration()
+    fused = bucket.route
+    assert fused in ("vmap", "eager")
+    history = [bucket.run_iteration([2])[2] for _ in range(2)]
+    assert [h["route"] for h in history] == ["eager", "eager"]
+    assert bucket.route == fused  # the bucket's route stands for the next full iteration
+    expected, _ = reference.train(task, chosen[2], iterations=3)
+    assert [h["val_loss"] for h in history] == pytest.approx([e["val_loss"] for e in expected[1:]], rel=RTOL)
+
+
+def test_a_lone_member_keeps_the_route_asked_for():
+    bucket = ct.Bucket(mlp_task(), 4, route="vmap")
+    bucket.add(configs(1)[0])
+    assert bucket.run_iteration()[0]["route"] == "vmap"
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+def test_an_iteration_that_raises_leaves_every_member_where_it_was(monkeypatch):
+    # Not an allocation failure: the iteration propagates the error, and no
+    # member has moved, its place in the data included (a retry or a retire
+    # of the culprit leaves its mates on their references).
+    task = mlp_task()
+    chosen = configs(3)
+    bucket = ct.Bucket(task, 4, route="vmap")
+    for config in chosen:
+        bucket.add(config)
+    bucket.run_iteration()
+    before = {k: (rows(bucket, k), bucket.members[k].order.state_dict()) for k in range(3)}
+    real_step = ct.Bucket._train_step
+    calls = {"n": 0}
+
+    def failing_step(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise _Boom("a step that fails part-way")
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(ct.Bucket, "_train_step", failing_step)
+    with pytest.raises(_Boom):
+        bucket.run_iteration()
+    monkeypatch.setattr(ct.Bucket, "_train_step", real_step)
+    for k, (state, order) in before.items():
+        assert all(torch.equal(a, b) for a, b in zip(rows(bucket, k), state))
+        assert same_order(bucket.members[k].order.state_dict(), order) and bucket.iteration(k) == 1
+    out = bucket.run_iteration()
+    expected = {k: reference.train(task, chosen[k], iterations=2)[0][1]["val_loss"] for k in range(3)}
+    assert {k: out[k]["val_loss"] for k in out} == pytest.approx(expected, rel=RTOL)
