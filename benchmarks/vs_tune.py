@@ -102,6 +102,8 @@ class Outcome:
     member_epochs: int = 0  # trained: (a) read = trained; (b) read + wasted; (c) trained
     wasted: int = 0  # (b): member-epochs computed that no trial read (chorus/wasted)
     first_result_s: float | None = None  # start to the first result (Tune: fit() to the first report)
+    mean_live: float | None = None  # (b): mean chorus/live over the fused iterations Tune read results of
+    mean_rows: float | None = None  # (b): mean chorus/rows (rows computed) over the same iterations
     last_result_s: float | None = None  # start to the last result
     settle_s: float = 0.0  # waited before the run for the cluster to be free again
     settled: bool = True  # False: the wait timed out (the run shared the machine with leftovers)
@@ -325,6 +327,9 @@ def make_timeline():
             self.last: float | None = None
             self.results = 0
             self.wasted: dict[str, int] = {}
+            # (bucket, bucket iteration) -> (chorus/live, chorus/rows) of the fused
+            # iteration that computed a result Tune received.
+            self.iterations: dict[tuple[str, int], tuple[int, int]] = {}
 
         def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
             now = time.perf_counter()
@@ -334,6 +339,18 @@ def make_timeline():
             bucket, wasted = result.get("chorus/bucket"), result.get("chorus/wasted")
             if bucket is not None and isinstance(wasted, (int, float)):
                 self.wasted[bucket] = max(self.wasted.get(bucket, 0), int(wasted))
+            if bucket is not None and result.get("chorus/live") is not None:
+                live = int(result["chorus/live"])
+                rows = int(result.get("chorus/rows") or result.get("chorus/capacity") or live)
+                self.iterations[(bucket, int(result["chorus/bucket_iteration"]))] = (live, rows)
+
+        def mean_live(self) -> tuple[float | None, float | None]:
+            """Mean members trained, and mean rows computed, per fused iteration
+            whose results Tune received."""
+            if not self.iterations:
+                return None, None
+            lives, rows = zip(*self.iterations.values())
+            return statistics.mean(lives), statistics.mean(rows)
 
     return Timeline()
 
@@ -437,7 +454,9 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
     read = sum(int(r.metrics.get("training_iteration", 0)) for r in results if r.metrics)
     wasted = wasted_total(timeline.wasted, stats)
     keys = list(sw.configs[0]) if sw.configs else []
+    mean_live, mean_rows = timeline.mean_live()
     return Outcome(way, wall, len(results), best, reached, hit, member_epochs=read + wasted, wasted=wasted,
+                   mean_live=mean_live, mean_rows=mean_rows,
                    first_result_s=None if timeline.first is None else timeline.first - start,
                    last_result_s=None if timeline.last is None else timeline.last - start,
                    configs_digest=configs_digest([r.config for r in results], keys))
@@ -634,6 +653,10 @@ def summarise(row: dict, outcomes: dict[str, list[Outcome]]) -> dict:
         member_epochs={w: _median([o.member_epochs for o in outs]) for w, outs in done.items()},
         wasted={w: _median([o.wasted for o in outs]) for w, outs in done.items() if way_kind(w) in TUNE_WAYS_CHORUS},
         s_per_member_epoch=per_me,
+        mean_live={w: _median([o.mean_live for o in outs]) for w, outs in done.items()
+                   if way_kind(w) in TUNE_WAYS_CHORUS},
+        mean_rows={w: _median([o.mean_rows for o in outs]) for w, outs in done.items()
+                   if way_kind(w) in TUNE_WAYS_CHORUS},
         first_result_s={w: _median([o.first_result_s for o in outs]) for w, outs in done.items()},
         settle_s={w: max(o.settle_s for o in outs) for w, outs in done.items()},
         unsettled_runs=sum(1 for outs in done.values() for o in outs if not o.settled),
@@ -702,9 +725,10 @@ def markdown_table(rows: list[dict]) -> str:
         text = f"{v:.2f}×"
         return f"**{text}**" if bold_at is not None and v >= bold_at else text
 
-    lines = ["| sweep | bucket | (a) plain | (b) chorus | (c) fused | (a)/(b) | (a)/(b) per member-epoch "
-             "| member-epochs a / b / c | (b)/(c) | (b)-(c): start-up / rest | best a / b |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| sweep | trials | bucket | (a) plain | (b) chorus | (c) fused | (a)/(b) | s per member-epoch a / b "
+             "| (a)/(b) per member-epoch | (b) mean live / rows | member-epochs a / b / c (b wasted) "
+             "| first result a / b | (b)/(c) | (b)-(c): start-up / rest | best a / b |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [row for row in rows if "median_wall_s" in row]
     names = {"fifo": "FIFO", "asha": "ChorusASHA (a: stock ASHA)", "stock-asha": "stock ASHA, both"}
     for row in rows:
@@ -719,11 +743,21 @@ def markdown_table(rows: list[dict]) -> str:
         best = (f"{row['best'][plain]:.3f} / {row['best']['chorus']:.3f}" if plain and "chorus" in row["best"] else "-")
         best += " (cut: see JSON)" if "best_gap_caveat" in row else ""
         counts = " / ".join("-" if me.get(w) is None else f"{me[w]:g}" for w in (plain, "chorus", "fused"))
+        if row.get("wasted", {}).get("chorus") is not None:
+            counts += f" ({row['wasted']['chorus']:g})"
+        per_me = row.get("s_per_member_epoch", {})
+        ms = " / ".join("-" if per_me.get(w) is None else f"{1000 * per_me[w]:.0f} ms" for w in (plain, "chorus"))
+        live, rows_run = row.get("mean_live", {}).get("chorus"), row.get("mean_rows", {}).get("chorus")
+        fill = "-" if live is None else f"{live:.1f} / {rows_run:.1f}"
+        first = row.get("first_result_s", {})
+        firsts = " / ".join("-" if first.get(w) is None else f"{first[w]:.1f} s" for w in (plain, "chorus"))
         lines.append(
             f"| {names.get(row['scheduler'], row['scheduler'])}, {'max_t ' if row['scheduler'] != 'fifo' else ''}"
-            f"{row['epochs']}{' epochs' if row['scheduler'] == 'fifo' else ''} | {row['bucket_size']} "
+            f"{row['epochs']}{' epochs' if row['scheduler'] == 'fifo' else ''}, {row['workload']} | {row['trials']} "
+            f"| {row['bucket_size']} "
             f"| {wall(plain)}{share} | {wall('chorus')} | {wall('fused')} | {x(row.get('plain_over_chorus'))} "
-            f"| {x(row.get('plain_over_chorus_per_member_epoch'))} | {counts} | {x(row.get('chorus_over_fused'))} "
+            f"| {ms} | {x(row.get('plain_over_chorus_per_member_epoch'))} | {fill} | {counts} | {firsts} "
+            f"| {x(row.get('chorus_over_fused'))} "
             f"| {parts} | {best} |")
     if any(any(row["budget_hit"].values()) for row in rows):
         lines.append("\n+: hit the time budget; that time is a lower bound and its trials did not all finish.")

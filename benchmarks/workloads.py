@@ -97,6 +97,8 @@ WORKLOADS = {
     "cifar-cnn": (lambda: small_cnn(3, 32), synthetic_images),
     # Issue 19's target: widths x dropout x lr x weight decay, on synth-mlp64's data.
     "synth-mixed": (mixed_mlp, synthetic_classification),
+    # Issue 39's FIFO row: a custom nn.Module with two hidden layers of 64.
+    "synth-mlp2h": (lambda: two_hidden_mlp, synthetic_classification),
 }
 
 # Workloads with a random search space of their own (name: () -> Tune param_space);
@@ -137,6 +139,24 @@ def mlp2(features: int = 64, classes: int = 10):
         return nn.Sequential(nn.Linear(features, w), nn.ReLU(), nn.Linear(w, w), nn.ReLU(), nn.Linear(w, classes))
     build.__qualname__ = "mlp2"
     return build
+
+
+class TwoHiddenMLP(nn.Module):
+    """A custom module, as a Tune user writes one: two hidden layers of ``width``
+    units (issue 39's FIFO row; a module of the user's own class, not a Sequential)."""
+
+    def __init__(self, features: int = 64, width: int = 64, classes: int = 10):
+        super().__init__()
+        self.fc1 = nn.Linear(features, width)
+        self.fc2 = nn.Linear(width, width)
+        self.out = nn.Linear(width, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def two_hidden_mlp(config: dict) -> nn.Module:
+    return TwoHiddenMLP(width=int(config.get("width", 64)))
 
 
 def cifar_gratings(n_train: int = 50_000, n_val: int = 10_000, classes: int = 10, size: int = 32,

@@ -179,10 +179,12 @@ def test_the_summary_takes_plain_at_its_best_share_and_reports_per_member_epoch(
         "plain@0.25": [_outcome("plain@0.25", 40.0, member_epochs=320),
                        _outcome("plain@0.25", 44.0, member_epochs=320)],
         "plain@0.125": [_outcome("plain@0.125", 30.0, member_epochs=320, first_result_s=3.0)],
-        "chorus": [_outcome("chorus", 15.0, member_epochs=330, wasted=10, first_result_s=6.0)],
+        "chorus": [_outcome("chorus", 15.0, member_epochs=330, wasted=10, first_result_s=6.0, mean_live=12.5,
+                            mean_rows=13.0)],
         "fused": [_outcome("fused", 10.0, member_epochs=320, first_result_s=2.0)],
     }
     row = vs_tune.summarise({"trials": 32}, outcomes)
+    assert row["mean_live"] == {"chorus": 12.5} and row["mean_rows"] == {"chorus": 13.0}
     assert row["plain_way"] == "plain@0.125" and row["plain_over_chorus"] == pytest.approx(2.0)
     assert row["median_wall_s"]["plain@0.25"] == pytest.approx(42.0)
     assert row["plain_over_chorus_per_member_epoch"] == pytest.approx((30 / 320) / (15 / 330))
@@ -191,7 +193,9 @@ def test_the_summary_takes_plain_at_its_best_share_and_reports_per_member_epoch(
     assert row["wasted"] == {"chorus": 10} and row["member_epochs"]["chorus"] == 330
     assert row["trials_per_min"]["chorus"] == pytest.approx(60 * 32 / 15) and "best_gap_caveat" not in row
     table = vs_tune.markdown_table([dict(row, workload="w", bucket_size=16, epochs=10, scheduler="fifo")])
-    assert "| FIFO, 10 epochs | 16 | 30.0 s (0.125 card) | 15.0 s | 10.0 s | 2.00× |" in table, table
+    assert "| FIFO, 10 epochs, w | 32 | 16 | 30.0 s (0.125 card) | 15.0 s | 10.0 s | 2.00× | 94 ms / 45 ms |" in table, \
+        table
+    assert "| 12.5 / 13.0 | 320 / 330 / 320 (10) | 3.0 s / 6.0 s |" in table, table
 
 
 def test_a_run_cut_by_its_budget_reports_no_rate_and_its_gap_carries_a_caveat():
