@@ -167,6 +167,8 @@ class Bucket:
         # counts: it costs as much as a live one); its members trained are
         # fewer where rows ran masked.
         self.last_rows = 0
+        self.last_route: str | None = None  # the route the last iteration took ("eager+vmap": its groups differed)
+        self._last_routes: set[str] = set()
         self.max_group: int | None = None
         self.oom_recoveries = 0
 
@@ -412,7 +414,7 @@ class Bucket:
             live = sorted(set(slots))
             for k in live:
                 self._member(k)  # a KeyError for a slot that holds no member
-        self.last_rows = 0
+        self.last_rows, self._last_routes = 0, set()
         if not live:
             return {}
         # Probe with every live member, not only this iteration's: a newcomer
@@ -522,7 +524,7 @@ class Bucket:
         try:
             start = self._snapshot_state(self._rows_touched(group, gather), to_host=True)
             out = self._train_group(group, plan, gather, route)
-            self.last_rows += self.capacity if route in _STACK_ROUTES and not gather else len(group)
+            self._ran(route, self.capacity if route in _STACK_ROUTES and not gather else len(group))
             return out, None
         except Exception as exc:  # noqa: BLE001 - only an allocation failure is retried
             if not is_out_of_memory(exc):
@@ -535,6 +537,11 @@ class Bucket:
         release_memory(self.device)
         self.oom_recoveries += 1
         return None, error
+
+    def _ran(self, route: str, rows: int) -> None:
+        self.last_rows += rows
+        self._last_routes.add(route)
+        self.last_route = "+".join(sorted(self._last_routes))
 
     def _route_for(self, group: list[int]) -> str:
         """The route ``group`` trains on this time: the bucket's, except that a
@@ -580,7 +587,7 @@ class Bucket:
             self.stack.put_back(group, view.stack)
             self.optimizer.put_back(group, view.optimizer)
             self.fused_steps += plan.steps
-            self.last_rows += len(group)
+            self._ran(route, len(group))
             plan.metric_errors.update({group[i]: message for i, message in rows.metric_errors.items()})
             return {group[i]: metrics for i, metrics in out.items()}, None
         del view  # its tensors go before the memory is given back

@@ -193,8 +193,8 @@ def test_the_summary_takes_plain_at_its_best_share_and_reports_per_member_epoch(
     assert row["wasted"] == {"chorus": 10} and row["member_epochs"]["chorus"] == 330
     assert row["trials_per_min"]["chorus"] == pytest.approx(60 * 32 / 15) and "best_gap_caveat" not in row
     table = vs_tune.markdown_table([dict(row, workload="w", bucket_size=16, epochs=10, scheduler="fifo")])
-    assert "| FIFO, 10 epochs, w | 32 | 16 | 30.0 s (0.125 card) | 15.0 s | 10.0 s | 2.00× | 94 ms / 45 ms |" in table, \
-        table
+    head = "| FIFO, 10 epochs, w | 32 | 16 | 30.0 s (0.125 card) | 15.0 s | 10.0 s | 2.00× | 94 ms / 45 ms |"
+    assert head in table, table
     assert "| 12.5 / 13.0 | 320 / 330 / 320 (10) | 3.0 s / 6.0 s |" in table, table
 
 

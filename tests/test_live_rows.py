@@ -136,7 +136,7 @@ def test_a_lone_member_of_an_auto_bucket_trains_on_the_eager_route():
     fused = bucket.route
     assert fused in ("vmap", "eager")
     history = [bucket.run_iteration([2])[2] for _ in range(2)]
-    assert [h["route"] for h in history] == ["eager", "eager"]
+    assert [h["route"] for h in history] == ["eager", "eager"] and bucket.last_route == "eager"
     assert bucket.route == fused  # the bucket's route stands for the next full iteration
     expected, _ = reference.train(task, chosen[2], iterations=3)
     assert [h["val_loss"] for h in history] == pytest.approx([e["val_loss"] for e in expected[1:]], rel=RTOL)

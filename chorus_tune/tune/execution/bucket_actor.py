@@ -572,7 +572,8 @@ class ChorusBucket:
         self.metrics.iteration(steps, samples, seconds, self.core.route)
         self.metrics.members(self.live, self.core.capacity)
         self.metrics.wasted(self.book.wasted)
-        logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, rows, self.core.route,
+        logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, rows,
+                    self.core.last_route or self.core.route,
                     seconds, 1000 * seconds / steps if steps else 0.0, samples / seconds if seconds > 0 else 0.0,
                     self.book.wasted)
 
