@@ -418,8 +418,12 @@ class Bucket:
         if not live:
             return {}
         # Probe with every live member, not only this iteration's: a newcomer
-        # that sits this one out must still be checked against vmap.
-        self._ensure_route(self.live_slots)
+        # that sits this one out must still be checked against vmap. Not while
+        # a member is alone: it trains eager (_route_for), and a bucket whose
+        # members never meet (a sweep that splits into one-member buckets)
+        # pays for no probe; the second member's arrival probes.
+        if len(self.live_slots) > 1 or self.routing.requested != "auto":
+            self._ensure_route(self.live_slots)
         plan = self._plan(live)
         try:
             results, failed = self._train_in_groups(plan)
@@ -550,7 +554,7 @@ class Bucket:
         row only adds the batching around the same arithmetic; measured on the
         2-core CPU, a width-64 MLP's epoch took 0.20 s on vmap against 0.15 s
         eager. A route asked for is kept whatever the count (the tests pin it)."""
-        if len(group) == 1 and self.routing.requested == "auto" and self.route in _STACK_ROUTES:
+        if len(group) == 1 and self.routing.requested == "auto":
             return "eager"
         return self.route
 

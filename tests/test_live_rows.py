@@ -182,3 +182,19 @@ def test_an_iteration_that_raises_leaves_every_member_where_it_was(monkeypatch):
     out = bucket.run_iteration()
     expected = {k: reference.train(task, chosen[k], iterations=2)[0][1]["val_loss"] for k in range(3)}
     assert {k: out[k]["val_loss"] for k in out} == pytest.approx(expected, rel=RTOL)
+
+
+def test_a_member_alone_from_the_start_is_not_probed_until_a_second_one_joins():
+    # A sweep that splits into one-member buckets pays for no route probe: the
+    # lone member trains eager (always correct); the second member's arrival probes.
+    task = mlp_task()
+    chosen = configs(2)
+    bucket = ct.Bucket(task, 4, route="auto")
+    bucket.add(chosen[0])
+    first = bucket.run_iteration()[0]
+    assert first["route"] == "eager" and bucket.route is None and not bucket.routing.timed
+    bucket.add(chosen[1])
+    bucket.run_iteration()
+    assert bucket.route in ("vmap", "eager") and bucket.routing.timed
+    expected, _ = reference.train(task, chosen[0], iterations=2)
+    assert bucket.iteration(0) == 2 and first["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=RTOL)

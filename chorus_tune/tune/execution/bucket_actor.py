@@ -569,7 +569,7 @@ class ChorusBucket:
         steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
         self._steps_seen = self.core.fused_steps
         samples = steps * batch * trained
-        self.metrics.iteration(steps, samples, seconds, self.core.route)
+        self.metrics.iteration(steps, samples, seconds, self.core.last_route or self.core.route)
         self.metrics.members(self.live, self.core.capacity)
         self.metrics.wasted(self.book.wasted)
         logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, rows,

@@ -1,0 +1,105 @@
+"""How a sweep's trials split into structures, in words (docs/design.md D9; Ray-free).
+
+Members share a bucket only when their structural keys are equal
+(``chorus_tune.stack.structural_key``): a config key that changes a parameter
+shape, the batch size or the optimizer family splits the sweep. A user who
+sweeps such a key should hear it when the run starts, not find ``chorus/live``
+at 1 afterwards. :func:`split_of` reads a sample of the run's configs and says
+how many structures they fall into and which keys split them, by asking the
+key itself: a config key splits when changing it alone (from one config of
+the sample) changes the structural key. Models are built on the ``meta``
+device, so this costs no memory and no initialisation.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from chorus_tune.stack import describe_split, structural_key
+
+# Values of one key tried against the base config: enough to see that a key splits.
+_VALUES_TRIED = 8
+
+
+@dataclass(frozen=True)
+class SpaceSplit:
+    """``trials`` configs in ``structures`` structures (``sizes``: trials per
+    structure, largest first); ``splitting``: each config key that splits,
+    with the distinct values it takes in the sample; ``why``: what differs
+    between the structures (``describe_split``'s words), ``unbuildable``:
+    configs whose model could not be built (their trials will say why)."""
+
+    trials: int
+    structures: int
+    sizes: tuple[int, ...]
+    splitting: tuple[tuple[str, int], ...]
+    why: str = ""
+    unbuildable: int = 0
+
+    @property
+    def fuses(self) -> bool:
+        """Whether any two trials of the sample can share a bucket."""
+        return any(size > 1 for size in self.sizes)
+
+    def message(self, bucket_size: int | None = None) -> str:
+        """One line for the run's log."""
+        if self.structures <= 1:
+            return f"{self.trials} trials share one structure: they fuse" + (
+                f" in buckets of up to {bucket_size}" if bucket_size else "")
+        keys = ", ".join(f"{name} takes {count} values" for name, count in self.splitting) or "no config key alone"
+        line = f"{self.trials} trials fall into {self.structures} structures ({keys}"
+        line += f"; {self.why})" if self.why else ")"
+        if not self.fuses:
+            return line + ": nothing will fuse, every trial trains in a bucket of its own"
+        largest = self.sizes[0]
+        return line + (f": the largest structure holds {largest} of them, the smallest {self.sizes[-1]}; "
+                       "each structure fuses only within itself")
+
+
+def split_of(task: Any, configs: Sequence[dict]) -> SpaceSplit:
+    """How ``configs`` (a sample of the run's, Tune's ``__`` keys allowed)
+    split into structures for ``task``."""
+    keys: list[Any] = []
+    built: list[dict] = []
+    for config in configs:
+        try:
+            keys.append(structural_key(task, config))
+        except Exception:  # noqa: BLE001 - a config that cannot build fails its own trial, with its own error
+            continue
+        built.append(config)
+    sizes = tuple(sorted(Counter(keys).values(), reverse=True))
+    splitting, why = _splitting_keys(task, built, keys)
+    return SpaceSplit(trials=len(configs), structures=len(sizes), sizes=sizes, splitting=splitting, why=why,
+                      unbuildable=len(configs) - len(built))
+
+
+def _splitting_keys(task: Any, configs: list[dict], keys: list[Any]) -> tuple[tuple[tuple[str, int], ...], str]:
+    if len(set(keys)) <= 1:
+        return (), ""
+    base, base_key = configs[0], keys[0]
+    splitting: list[tuple[str, int]] = []
+    for name in sorted({k for c in configs for k in c if not str(k).startswith("__")}, key=str):
+        values = _distinct([c[name] for c in configs if name in c])
+        if len(values) < 2:
+            continue
+        for value in values[:_VALUES_TRIED]:
+            try:
+                if structural_key(task, {**base, name: value}) != base_key:
+                    splitting.append((str(name), len(values)))
+                    break
+            except Exception:  # noqa: BLE001 - a combination no trial asked for may not build
+                continue
+    other = next(k for k in keys if k != base_key)
+    return tuple(splitting), describe_split(base_key, other)
+
+
+def _distinct(values: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    seen: set[str] = set()
+    for value in values:
+        marker = repr(value)
+        if marker not in seen:
+            seen.add(marker)
+            out.append(value)
+    return out
