@@ -12,12 +12,16 @@ Two things, both read when ChorusSearch seats its first members:
 * **The run's stop dict** (:func:`stop_terms`): a ``training_iteration`` cap,
   and criteria on the member's own metrics, which the bucket can check itself.
 
+And one check of the run itself, before any trial starts: that ``num_samples``
+covers ChorusSearch's grid (:func:`check_grid_samples`).
+
 (One run at a time per driver process: two Tuners fitting in threads of one
 process would share this.)
 """
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Mapping
 
 from ..execution.options import RungSchedule
@@ -74,3 +78,26 @@ def stop_terms(stop: Any) -> tuple[int | None, tuple[tuple[str, float], ...]]:
         else:
             criteria.append((str(key), float(value)))
     return cap, tuple(sorted(criteria))
+
+
+def check_grid_samples(grid_size: int, num_samples: int | None) -> None:
+    """Refuse a run whose ``num_samples`` does not walk ``param_space``'s grid whole.
+
+    With any ``Searcher``, Tune creates ``num_samples`` trials *in all*
+    (``SearchGenerator.is_finished``), not ``num_samples`` passes over the
+    grid as its default generator does, and a searcher cannot raise that
+    count. So under Tune's default ``num_samples=1`` a grid of 16 would run
+    one trial. ChorusSearch's sampler walks the grid pass after pass, so
+    ``num_samples`` must be a whole number of passes; an endless run
+    (``num_samples=-1``, which Tune makes ``sys.maxsize``) walks it for good.
+    """
+    if grid_size <= 1 or not num_samples or num_samples >= sys.maxsize or num_samples % grid_size == 0:
+        return
+    passes, rest = divmod(num_samples, grid_size)
+    lost = (f"{grid_size - num_samples} of its {grid_size} points would never run" if passes == 0 else
+            f"the last pass would run {rest} of its {grid_size} points")
+    raise ValueError(
+        f"param_space has a grid of {grid_size} points, but num_samples={num_samples}: with a Searcher "
+        f"(ChorusSearch included) Tune starts num_samples trials in all, not num_samples passes over the "
+        f"grid, so {lost}. Pass TuneConfig(num_samples={grid_size}) to run the grid once, or a multiple "
+        f"of {grid_size} (e.g. {grid_size * max(2, passes + 1)}) for that many passes.")
