@@ -268,6 +268,25 @@ def test_load_model_returns_users_module_with_trained_weights(own_member_sweep):
     assert not model.training
 
 
+def test_every_checkpoint_holds_weights_that_load_without_running_code(own_member_sweep):
+    from chorus_tune.tune import load_weights  # issue 40: new, so imported here, not with the module
+
+    task, results, _ = own_member_sweep
+    best = results.get_best_result()
+    _, ref_model = reference.train(task, {"lr": best.config["lr"]}, seed=best.metrics["chorus/seed"], iterations=2)
+    with best.checkpoint.as_directory() as checkpoint_dir:
+        # The PyTorch tutorial's own loading code.
+        tutorial = torch.load(os.path.join(checkpoint_dir, "weights.pt"), weights_only=True)
+    filled = load_model(best.checkpoint, model=mlp(best.config))
+    for name, expected in ref_model.state_dict().items():
+        torch.testing.assert_close(tutorial[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(load_weights(best.checkpoint)[name], tutorial[name], rtol=0, atol=0)
+        torch.testing.assert_close(filled.state_dict()[name], tutorial[name], rtol=0, atol=0)
+    for result in _finished(results):
+        for checkpoint, _ in result.best_checkpoints:
+            assert os.path.exists(os.path.join(checkpoint.path, "weights.pt")), checkpoint.path
+
+
 def test_model_factory_error_fails_only_that_trial_with_its_message(own_member_sweep):
     _, results, _ = own_member_sweep
     errors = [r for r in results if r.error is not None]

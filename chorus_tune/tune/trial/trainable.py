@@ -28,10 +28,12 @@ from ..execution.pool import NEED_TASK, Reservation, call_pool, get_pool, pool_l
 from ..execution.resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
 from ..execution.waits import Evicted, Stall, StalledWait
 from ..observe.actor_log import log_to_actor_stdout
+from .checkpoint import write_weights
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 1
+# 2: the member's bytes hold its weights apart (state_io), and the directory a weights file.
+CHECKPOINT_FORMAT = 2
 _LEAVE_TIMEOUT_S = 30.0
 _PLACEMENT_POLL_S = 10.0  # how often a trial waiting for its bucket asks the pool what it waits for
 # Every ChorusTrainable class with a task made in this process: a ChorusSearch
@@ -243,6 +245,9 @@ class ChorusTrainable(Trainable):
             except GetTimeoutError as exc:
                 raise TimeoutError(f"trial {self.trial_id} waited {self.result_timeout_s}s (result_timeout_s) "
                                    f"for member {self._member}'s state from bucket {self._bucket_name}") from exc
+        # The weights alone, as a file that loads without running code
+        # (torch.load(weights_only=True)): taken out of the bytes without torch.
+        write_weights(checkpoint_dir, state)
         return {
             "chorus_format": CHECKPOINT_FORMAT,
             "member": state,  # bytes (chorus_tune.tune.trial.state_io), or None before the first result
