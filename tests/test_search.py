@@ -217,3 +217,17 @@ def test_an_inner_searcher_owns_its_own_trial_count():
     s = ChorusSearch(Recorder("A"), max_concurrent_trials=2)
     s.set_search_properties("m", "max", GRID_16, num_samples=1)
     assert s.suggest("t0") == {"n": 0, "width": "A"}
+
+
+def test_each_suggestion_hands_tune_s_next_trial_the_search_s_concurrency():
+    # Tune creates the trial, and asks its trainable for resources, right after
+    # suggest returns (SearchGenerator.create_trial_if_possible -> add_trial).
+    from chorus_tune.tune.search import run_plan
+
+    s = _search(max_concurrent_trials=3)
+    run_plan.take_trial_concurrency()
+    assert isinstance(s.suggest("t0"), dict) and run_plan.take_trial_concurrency() == 3
+    assert run_plan.take_trial_concurrency() is None  # once per trial
+    _suggest(s, ["t1", "t2"])
+    run_plan.take_trial_concurrency()
+    assert s.suggest("t3") is None and run_plan.take_trial_concurrency() is None  # no trial: nothing handed

@@ -107,6 +107,31 @@ def test_grid_matches_reference_per_trial_and_iteration(tmp_path):
     assert first_two == {8}
 
 
+class _CpusInUse(tune.Callback):
+    """Ray's view of the CPUs in use at each result."""
+
+    def __init__(self):
+        self.used = []
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.used.append(ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0))
+
+
+def test_under_chorus_search_ray_sees_the_cores_the_buckets_compute_on_in_use(tmp_path):
+    # Issue 40 item 5: the tutorial's shape showed 0.125 of 2 CPUs in use
+    # while the buckets computed on both cores. ChorusSearch runs 2 trials at
+    # once here (one per CPU); their tokens now hold the 2 cores.
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4)
+    cpus = _CpusInUse()
+    results = tune.Tuner(
+        trainable, param_space={"lr": tune.grid_search([0.05, 0.1, 0.2, 0.3])},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=4, reuse_actors=True,
+                                    search_alg=ChorusSearch(task=trainable)),
+        run_config=run_config(tmp_path, 2, callbacks=[cpus])).fit()
+    assert not results.errors
+    assert max(cpus.used) == pytest.approx(ray.cluster_resources()["CPU"]), cpus.used
+
+
 def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_path):
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=3, max_buckets=4)
     space = {"width": tune.grid_search([16, 24]), "lr": tune.grid_search([0.05, 0.1, 0.2, 0.3])}

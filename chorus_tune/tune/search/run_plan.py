@@ -28,6 +28,7 @@ from ..execution.options import RungSchedule
 
 _announced: RungSchedule | None = None
 _seating_search = False
+_trial_concurrency: int | None = None
 
 
 def clear() -> None:
@@ -55,6 +56,24 @@ def take_seating_search() -> bool:
     global _seating_search
     seating, _seating_search = _seating_search, False
     return seating
+
+
+def hand_trial_concurrency(concurrency: int) -> None:
+    """Called by ChorusSearch as it hands Tune a trial: the trials it runs at
+    once. Tune creates that trial next, in this thread, and asks its
+    trainable for its resources then (``SearchGenerator.create_trial_if_possible``,
+    ``TuneController.add_trial``), so the trial's token holds its share of
+    the buckets' cores (:func:`~..execution.resources.trial_token_cpu`)."""
+    global _trial_concurrency
+    _trial_concurrency = concurrency
+
+
+def take_trial_concurrency() -> int | None:
+    """What :func:`hand_trial_concurrency` handed, once: a trial of Tune's
+    default search, in this run or a later one, finds ``None``."""
+    global _trial_concurrency
+    concurrency, _trial_concurrency = _trial_concurrency, None
+    return concurrency
 
 
 def stop_terms(stop: Any) -> tuple[int | None, tuple[tuple[str, float], ...]]:

@@ -226,6 +226,14 @@ class ChorusSearch(ConcurrencyLimiter):
         return super().set_search_properties(metric, mode, config, **spec)
 
     def suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:
+        suggestion = self._suggest(trial_id)
+        if isinstance(suggestion, dict):
+            # Tune creates this trial next: its token holds its share of the
+            # buckets' cores (chorus_tune.tune.execution.resources).
+            run_plan.hand_trial_concurrency(self.max_concurrent)
+        return suggestion
+
+    def _suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:
         if len(self.live_trials) >= self.max_concurrent:
             return None
         if self._learning and ray.is_initialized():
@@ -382,7 +390,7 @@ class ChorusSearch(ConcurrencyLimiter):
             # No ChorusTrainable in this process: the run's trainable is a plain
             # one, and this search is a concurrency limiter that samples.
             self._learning = False
-            return self.suggest(trial_id)
+            return self._suggest(trial_id)
         pulled = self._pull()
         if pulled is None:
             if self._exhausted or self._budget_spent():
