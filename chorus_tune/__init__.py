@@ -1,7 +1,7 @@
 """chorus_tune: many Ray Tune trials trained as one vmap'd bucket on one device.
 
 The core (``Task``, ``Bucket``, ``reference``) needs torch only; the Ray layer
-(``ChorusTrainable``, ``ChorusSearch``, ``ChorusASHA``, ``load_model``) needs
+(``ChorusTrainable``, ``ChorusSearch``, ``ChorusASHA``, ``load_model``, ``load_weights``) needs
 ray. Every name is imported on first use: ``import chorus_tune`` imports
 neither, and a Tune trial actor (which imports ``chorus_tune.tune``) never
 loads torch -- measured, that saves each trial process ~2 s of start-up and
@@ -21,6 +21,7 @@ _EXPORTS = {
     "model_from_state": "chorus_tune.export",
     "ChorusTrainable": "chorus_tune.tune.trial.trainable",
     "load_model": "chorus_tune.tune.trial.checkpoint",
+    "load_weights": "chorus_tune.tune.trial.checkpoint",
     "ChorusSearch": "chorus_tune.tune.search.search",
     "ChorusASHA": "chorus_tune.tune.schedulers.asha",
 }

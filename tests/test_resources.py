@@ -93,3 +93,50 @@ def test_buckets_share_the_cores_of_their_own_node_not_the_clusters():
     threads = shared_threads({"a": 2.0, "b": 8.0}, {"x": "a", "y": "a", "z": "b", "starting": None})
     # Two buckets on the 2-core node, one on the 8-core node; one still starting keeps its own.
     assert threads == {"x": 1, "y": 1, "z": 8}
+
+
+# Issue 40 item 5: Ray's view of the CPUs matches the cores the buckets compute
+# on. Buckets claim no CPU (a bucket can always start: one claiming a CPU waits
+# for good under Tune's default search, whose trials take every free CPU), so
+# the trials' tokens hold the buckets' cores instead.
+
+def test_under_chorus_search_the_trials_tokens_hold_every_core_the_buckets_share():
+    cluster = {"CPU": 2.0}
+    per_bucket = default_bucket_resources(cluster)
+    # The tutorial's shape: ChorusSearch runs 2 trials at once; before, each
+    # asked for 2 / 32 slots and Ray saw 0.125 of 2 CPUs in use.
+    token = trial_token_cpu(cluster, per_bucket, bucket_size=16, concurrency=2, shares_cores=True)
+    assert token == 1.0 and 2 * token == cluster["CPU"]
+    assert trial_token_cpu({"CPU": 16.0}, {"CPU": 1.0}, 16, concurrency=32, shares_cores=True) == 0.5
+
+
+def test_the_tokens_of_the_concurrent_trials_always_fit_the_cluster():
+    for cpus in (1.0, 2.0, 3.0, 7.0, 64.0):
+        for concurrency in (1, 2, 3, 5, 7, 100, 10**4):
+            token = trial_token_cpu({"CPU": cpus}, {"CPU": 1.0}, 16, concurrency=concurrency, shares_cores=True)
+            assert concurrency * token <= cpus + 1e-9 and 1e-4 <= token <= 1.0
+
+
+def test_a_token_is_at_most_one_cpu_so_a_trial_fits_any_node():
+    # One trial on 8 cores would ask for 8, more than a node of a cluster may hold.
+    assert trial_token_cpu({"CPU": 8.0}, {"CPU": 1.0}, 16, concurrency=1, shares_cores=True) == 1.0
+
+
+def test_buckets_that_do_not_share_cores_are_held_at_their_own_cpus():
+    # A GPU cluster: one bucket per GPU, one CPU for its thread: 2 cores of 32.
+    cluster = {"CPU": 32.0, "GPU": 2.0}
+    per_bucket = default_bucket_resources(cluster)
+    token = trial_token_cpu(cluster, per_bucket, bucket_size=16, concurrency=32, shares_cores=False)
+    assert 32 * token == pytest.approx(2.0)
+
+
+def test_under_tunes_default_search_a_token_per_slot_bounds_its_trials_and_holds_every_cpu():
+    # Tune runs as many trials as fit: one per slot, and together they hold every CPU.
+    cluster = {"CPU": 2.0}
+    token = trial_token_cpu(cluster, {"CPU": 1.0}, bucket_size=8)
+    assert token == 0.125 and int(2.0 / token) == 16
+
+
+def test_buckets_never_claim_a_cpu():
+    assert bucket_actor_options({"CPU": 1.0})["num_cpus"] == 0
+    assert bucket_actor_options({"GPU": 1.0, "CPU": 2.0})["num_cpus"] == 0

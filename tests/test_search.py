@@ -181,3 +181,53 @@ def test_with_a_random_state_member_seeds_follow_the_draw_order_not_the_random_i
     assert first._prefix != second._prefix  # ids stay unique among searches sharing a pool
     assert seeds(first) == seeds(second) and seeds(first) != seeds(other)
     assert len(set(seeds(first))) == 4
+
+
+GRID_16 = {"lr": tune.grid_search([0.01, 0.03, 0.1, 0.3]), "wd": tune.grid_search([0.0, 1e-4, 1e-3, 1e-2])}
+
+
+@pytest.mark.parametrize("num_samples", [1, 15, 20])
+def test_a_grid_that_num_samples_would_cut_short_is_refused_naming_both(num_samples):
+    # With a Searcher, Tune creates num_samples trials in all (SearchGenerator),
+    # so a grid of 16 under the default num_samples=1 would run 1 trial of 16.
+    s = ChorusSearch(max_concurrent_trials=2)
+    with pytest.raises(ValueError, match=rf"grid of 16 points.*num_samples={num_samples}.*num_samples=16"):
+        s.set_search_properties("m", "max", GRID_16, num_samples=num_samples)
+
+
+@pytest.mark.parametrize("num_samples", [16, 32])
+def test_whole_passes_over_the_grid_run_every_point(num_samples):
+    s = ChorusSearch(max_concurrent_trials=100)
+    s.set_search_properties("m", "max", GRID_16, num_samples=num_samples)
+    configs = [s.suggest(f"t{i}") for i in range(num_samples)]
+    points = {(c["lr"], c["wd"]) for c in configs}
+    assert len(points) == 16 and s.suggest("last") == Searcher.FINISHED
+
+
+def test_an_endless_run_walks_the_grid_again_and_again():
+    import sys
+
+    s = ChorusSearch(max_concurrent_trials=100)
+    s.set_search_properties("m", "max", GRID_16, num_samples=sys.maxsize)  # Tune's num_samples=-1
+    assert len({(c["lr"], c["wd"]) for c in (s.suggest(f"t{i}") for i in range(20))}) == 16
+
+
+def test_an_inner_searcher_owns_its_own_trial_count():
+    # Only ChorusSearch's own sampler walks param_space's grid.
+    s = ChorusSearch(Recorder("A"), max_concurrent_trials=2)
+    s.set_search_properties("m", "max", GRID_16, num_samples=1)
+    assert s.suggest("t0") == {"n": 0, "width": "A"}
+
+
+def test_each_suggestion_hands_tune_s_next_trial_the_search_s_concurrency():
+    # Tune creates the trial, and asks its trainable for resources, right after
+    # suggest returns (SearchGenerator.create_trial_if_possible -> add_trial).
+    from chorus_tune.tune.search import run_plan
+
+    s = _search(max_concurrent_trials=3)
+    run_plan.take_trial_concurrency()
+    assert isinstance(s.suggest("t0"), dict) and run_plan.take_trial_concurrency() == 3
+    assert run_plan.take_trial_concurrency() is None  # once per trial
+    _suggest(s, ["t1", "t2"])
+    run_plan.take_trial_concurrency()
+    assert s.suggest("t3") is None and run_plan.take_trial_concurrency() is None  # no trial: nothing handed

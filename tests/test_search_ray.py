@@ -350,3 +350,32 @@ def test_a_run_that_ended_early_leaves_no_unread_member_holding_the_next_run_s_b
     stats = ray.get(pool.stats.remote())
     for name, members in unread.items():
         assert members <= set(stats[name].get(UNREAD_AT_NEW_RUN, [])), stats[name]
+
+
+class _Starts(Callback):
+    def __init__(self):
+        self.started = []
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self.started.append(trial.trial_id)
+
+
+def test_a_grid_under_the_default_num_samples_is_refused_before_any_trial_starts(tmp_path):
+    # Tune's default search would run all 16 points; with a Searcher Tune
+    # creates num_samples (default 1) trials in all, so 15 would be lost.
+    from chorus_tune.tune import ChorusTrainable
+
+    from tune_support import digits_task
+
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4)
+    starts = _Starts()
+    tuner = tune.Tuner(
+        trainable,
+        param_space={"lr": tune.grid_search([0.01, 0.03, 0.1, 0.3]),
+                     "momentum": tune.grid_search([0.0, 0.5, 0.8, 0.9])},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", search_alg=ChorusSearch(task=trainable)),
+        run_config=_run_config(tmp_path, name="grid", stop={"training_iteration": 1}, callbacks=[starts]),
+    )
+    with pytest.raises(ValueError, match=r"grid of 16 points, but num_samples=1.*num_samples=16") as raised:
+        tuner.fit()
+    assert starts.started == [], raised.value

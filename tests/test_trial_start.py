@@ -63,3 +63,24 @@ def test_without_ray_no_pool_is_started(driver, monkeypatch):
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     ChorusTrainable.for_task(mlp_task(), bucket_size=4).default_resource_request({"lr": 0.1})
     assert driver.pools == []
+
+
+def test_a_trial_chorus_search_suggested_holds_its_share_of_the_cores(driver):
+    # Issue 40 item 5: ChorusSearch runs 2 trials at once on the 2 CPUs; the
+    # trials' tokens hold the cores the buckets compute on (1 CPU each), not
+    # 2 / 8 slots each (Ray saw 0.5 of 2 CPUs in use).
+    from chorus_tune.tune.search import run_plan
+
+    trainable = ChorusTrainable.for_task(mlp_task(), bucket_size=4)
+    run_plan.hand_trial_concurrency(2)  # ChorusSearch.suggest, just before Tune creates the trial
+    assert trainable.default_resource_request({"lr": 0.1}).required_resources == {"CPU": 1.0}
+
+
+def test_a_trial_of_tunes_default_search_gets_a_token_per_slot(driver):
+    from chorus_tune.tune.search import run_plan
+
+    trainable = ChorusTrainable.for_task(mlp_task(), bucket_size=4)
+    run_plan.hand_trial_concurrency(2)
+    trainable.default_resource_request({"lr": 0.1})
+    # Handed once, for the trial Tune creates next: a later default-search run is not affected.
+    assert trainable.default_resource_request({"lr": 0.2}).required_resources == {"CPU": 0.25}

@@ -107,6 +107,31 @@ def test_grid_matches_reference_per_trial_and_iteration(tmp_path):
     assert first_two == {8}
 
 
+class _CpusInUse(tune.Callback):
+    """Ray's view of the CPUs in use at each result."""
+
+    def __init__(self):
+        self.used = []
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self.used.append(ray.cluster_resources()["CPU"] - ray.available_resources().get("CPU", 0))
+
+
+def test_under_chorus_search_ray_sees_the_cores_the_buckets_compute_on_in_use(tmp_path):
+    # Issue 40 item 5: the tutorial's shape showed 0.125 of 2 CPUs in use
+    # while the buckets computed on both cores. ChorusSearch runs 2 trials at
+    # once here (one per CPU); their tokens now hold the 2 cores.
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4)
+    cpus = _CpusInUse()
+    results = tune.Tuner(
+        trainable, param_space={"lr": tune.grid_search([0.05, 0.1, 0.2, 0.3])},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", num_samples=4, reuse_actors=True,
+                                    search_alg=ChorusSearch(task=trainable)),
+        run_config=run_config(tmp_path, 2, callbacks=[cpus])).fit()
+    assert not results.errors
+    assert max(cpus.used) == pytest.approx(ray.cluster_resources()["CPU"]), cpus.used
+
+
 def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_path):
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=3, max_buckets=4)
     space = {"width": tune.grid_search([16, 24]), "lr": tune.grid_search([0.05, 0.1, 0.2, 0.3])}
@@ -266,6 +291,25 @@ def test_load_model_returns_users_module_with_trained_weights(own_member_sweep):
     for (name, p), (_, q) in zip(model.state_dict().items(), ref_model.state_dict().items()):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     assert not model.training
+
+
+def test_every_checkpoint_holds_weights_that_load_without_running_code(own_member_sweep):
+    from chorus_tune.tune import load_weights  # issue 40: new, so imported here, not with the module
+
+    task, results, _ = own_member_sweep
+    best = results.get_best_result()
+    _, ref_model = reference.train(task, {"lr": best.config["lr"]}, seed=best.metrics["chorus/seed"], iterations=2)
+    with best.checkpoint.as_directory() as checkpoint_dir:
+        # The PyTorch tutorial's own loading code.
+        tutorial = torch.load(os.path.join(checkpoint_dir, "weights.pt"), weights_only=True)
+    filled = load_model(best.checkpoint, model=mlp(best.config))
+    for name, expected in ref_model.state_dict().items():
+        torch.testing.assert_close(tutorial[name], expected, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(load_weights(best.checkpoint)[name], tutorial[name], rtol=0, atol=0)
+        torch.testing.assert_close(filled.state_dict()[name], tutorial[name], rtol=0, atol=0)
+    for result in _finished(results):
+        for checkpoint, _ in result.best_checkpoints:
+            assert os.path.exists(os.path.join(checkpoint.path, "weights.pt")), checkpoint.path
 
 
 def test_model_factory_error_fails_only_that_trial_with_its_message(own_member_sweep):

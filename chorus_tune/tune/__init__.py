@@ -1,7 +1,8 @@
 """The Ray Tune layer of chorus_tune (the only package that imports ray).
 
 ``ChorusTrainable`` (trials as members of fused buckets), ``load_model`` (a
-checkpoint back to the user's module), ``retire_trial`` (free a trial's slot
+checkpoint back to the user's module) and ``load_weights`` (its weights,
+loaded without running code), ``retire_trial`` (free a trial's slot
 now, for schedulers), ``close_idle_buckets`` (free the devices idle buckets
 hold now), and, from their own modules, ``ChorusSearch`` and ``ChorusASHA``.
 """
@@ -14,6 +15,7 @@ _EXPORTS = {
     "ChorusTrainable": ".trial.trainable",
     "BucketLost": ".trial.trainable",
     "load_model": ".trial.checkpoint",
+    "load_weights": ".trial.checkpoint",
     "retire_trial": ".execution.pool",
     "bucket_stats": ".execution.pool",
     "free_slots": ".execution.pool",

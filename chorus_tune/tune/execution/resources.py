@@ -1,20 +1,29 @@
 """How buckets and trials share a cluster's resources (Ray-free arithmetic).
 
-A bucket does the work, a trial only talks to it, so:
+A bucket does the work, a trial only talks to it. The rule (issue 40): **Ray's
+view of the CPUs matches the cores the buckets compute on, and those cores are
+held by the trials' tokens, not by the buckets.**
 
 - ``resources_per_bucket`` says what one bucket uses. Default: one whole GPU
   (and one CPU for its thread) where the cluster has GPUs, otherwise one CPU:
-  one bucket per core, so a CPU-only machine runs as many buckets side by side
-  as it has cores (a vmap'd step of small models does not use two cores well).
+  one bucket per core at most, and on a CPU-only machine the open buckets
+  share every core of their node (the pool's ``set_threads``).
 - GPUs and custom resources are *claimed* from Ray by the bucket actor. CPUs
-  are not: they become the bucket's torch threads, and the pool never opens
-  more buckets than the CPUs hold. Claiming them would deadlock: running
-  trials hold fractions of CPUs, so a bucket asking for a whole one might
-  never be scheduled while those trials wait for it.
-- A trial asks Tune for a token CPU (Tune rejects an all-zero request), sized
-  so that Tune runs about as many trials at once as the buckets have slots:
-  ``CPUs / (bucket_size * buckets)``. Trials beyond that stay PENDING in Tune
-  (cheap) rather than as idle actors waiting for a slot.
+  are not, so a bucket can always start. Claiming them fails under Tune's
+  default search: Tune starts trials while any CPU is free, so the trials
+  that wait for a bucket hold the CPU it would need (measured with one CPU
+  per bucket, 8 trials in buckets of 4 on 2 CPUs: 4 trials failed after
+  ``result_timeout_s`` waiting for a bucket that could not start; the other
+  4 ran only once those had freed their CPU).
+- The trials' tokens hold the buckets' cores instead (:func:`trial_token_cpu`):
+  - under ``ChorusSearch``, which runs ``max_concurrent_trials`` trials at
+    once, each asks for ``cores / max_concurrent_trials`` (at most one CPU, so
+    it fits any node): ``cores`` is every CPU where the buckets share them
+    (CPU-only, default resources), else the buckets' own CPUs;
+  - under Tune's default search, which runs as many trials as fit, each asks
+    for ``CPUs / slots``: Tune then runs about one trial per slot, and they
+    hold every CPU. Trials beyond that stay PENDING in Tune (cheap) rather
+    than as idle actors waiting for a slot.
 """
 from __future__ import annotations
 
@@ -58,14 +67,36 @@ def bucket_actor_options(per_bucket: Mapping[str, float]) -> dict:
     return options
 
 
-def trial_token_cpu(cluster: Mapping[str, float], per_bucket: Mapping[str, float], bucket_size: int) -> float:
-    """The CPU a trial asks Tune for: the cluster's CPUs shared out over every slot."""
+def trial_token_cpu(cluster: Mapping[str, float], per_bucket: Mapping[str, float], bucket_size: int,
+                    concurrency: int | None = None, shares_cores: bool = False) -> float:
+    """The CPU a trial asks Tune for (see the module's rule).
+
+    ``concurrency``: the trials a ChorusSearch runs at once, which then hold
+    the cores the buckets compute on between them (``shares_cores``: the
+    buckets share every CPU, as on a CPU-only cluster with default
+    resources). ``None`` (Tune's default search): the cluster's CPUs shared
+    out over every slot, so that Tune runs about one trial per slot.
+    Never more than one CPU (a trial must fit a node), never zero (Tune
+    refuses an all-zero request).
+    """
     cpus = cluster.get("CPU", 0)
     if cpus <= 0:
         return FALLBACK_TOKEN_CPU
-    slots = bucket_size * bucket_budget(cluster, per_bucket)
-    token = math.floor(cpus / slots / _GRANULE) * _GRANULE
+    if concurrency is None:
+        share = cpus / (bucket_size * bucket_budget(cluster, per_bucket))
+    else:
+        share = bucket_cores(cluster, per_bucket, shares_cores) / max(1, concurrency)
+    token = math.floor(share / _GRANULE + 1e-6) * _GRANULE
     return round(min(1.0, max(_GRANULE, token)), 4)
+
+
+def bucket_cores(cluster: Mapping[str, float], per_bucket: Mapping[str, float], shares_cores: bool) -> float:
+    """The cores the buckets compute on when all are open: every CPU where
+    they share them, else their own CPUs (one thread per CPU, at least one)."""
+    cpus = cluster.get("CPU", 0)
+    if shares_cores:
+        return cpus
+    return min(cpus, bucket_budget(cluster, per_bucket) * bucket_threads(per_bucket))
 
 
 @dataclass(frozen=True)

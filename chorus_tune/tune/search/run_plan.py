@@ -12,18 +12,23 @@ Two things, both read when ChorusSearch seats its first members:
 * **The run's stop dict** (:func:`stop_terms`): a ``training_iteration`` cap,
   and criteria on the member's own metrics, which the bucket can check itself.
 
+And one check of the run itself, before any trial starts: that ``num_samples``
+covers ChorusSearch's grid (:func:`check_grid_samples`).
+
 (One run at a time per driver process: two Tuners fitting in threads of one
 process would share this.)
 """
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Mapping
 
 from ..execution.options import RungSchedule
 
 _announced: RungSchedule | None = None
 _seating_search = False
+_trial_concurrency: int | None = None
 
 
 def clear() -> None:
@@ -53,6 +58,24 @@ def take_seating_search() -> bool:
     return seating
 
 
+def hand_trial_concurrency(concurrency: int) -> None:
+    """Called by ChorusSearch as it hands Tune a trial: the trials it runs at
+    once. Tune creates that trial next, in this thread, and asks its
+    trainable for its resources then (``SearchGenerator.create_trial_if_possible``,
+    ``TuneController.add_trial``), so the trial's token holds its share of
+    the buckets' cores (:func:`~..execution.resources.trial_token_cpu`)."""
+    global _trial_concurrency
+    _trial_concurrency = concurrency
+
+
+def take_trial_concurrency() -> int | None:
+    """What :func:`hand_trial_concurrency` handed, once: a trial of Tune's
+    default search, in this run or a later one, finds ``None``."""
+    global _trial_concurrency
+    concurrency, _trial_concurrency = _trial_concurrency, None
+    return concurrency
+
+
 def stop_terms(stop: Any) -> tuple[int | None, tuple[tuple[str, float], ...]]:
     """What a run's ``stop`` dict lets a bucket decide: ``(cap, criteria)``.
 
@@ -74,3 +97,26 @@ def stop_terms(stop: Any) -> tuple[int | None, tuple[tuple[str, float], ...]]:
         else:
             criteria.append((str(key), float(value)))
     return cap, tuple(sorted(criteria))
+
+
+def check_grid_samples(grid_size: int, num_samples: int | None) -> None:
+    """Refuse a run whose ``num_samples`` does not walk ``param_space``'s grid whole.
+
+    With any ``Searcher``, Tune creates ``num_samples`` trials *in all*
+    (``SearchGenerator.is_finished``), not ``num_samples`` passes over the
+    grid as its default generator does, and a searcher cannot raise that
+    count. So under Tune's default ``num_samples=1`` a grid of 16 would run
+    one trial. ChorusSearch's sampler walks the grid pass after pass, so
+    ``num_samples`` must be a whole number of passes; an endless run
+    (``num_samples=-1``, which Tune makes ``sys.maxsize``) walks it for good.
+    """
+    if grid_size <= 1 or not num_samples or num_samples >= sys.maxsize or num_samples % grid_size == 0:
+        return
+    passes, rest = divmod(num_samples, grid_size)
+    lost = (f"{grid_size - num_samples} of its {grid_size} points would never run" if passes == 0 else
+            f"the last pass would run {rest} of its {grid_size} points")
+    raise ValueError(
+        f"param_space has a grid of {grid_size} points, but num_samples={num_samples}: with a Searcher "
+        f"(ChorusSearch included) Tune starts num_samples trials in all, not num_samples passes over the "
+        f"grid, so {lost}. Pass TuneConfig(num_samples={grid_size}) to run the grid once, or a multiple "
+        f"of {grid_size} (e.g. {grid_size * max(2, passes + 1)}) for that many passes.")

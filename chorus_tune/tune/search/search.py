@@ -38,6 +38,12 @@ def _default_concurrency() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1))) if ray.is_initialized() else (os.cpu_count() or 1)
 
 
+def grid_size(space: Dict) -> int:
+    """How many points one pass over ``space``'s ``grid_search`` axes has (1 without any)."""
+    return sum(1 for _ in generate_variants({"config": copy.deepcopy(space)},
+                                            random_state=np.random.default_rng(0)))
+
+
 class SpaceSampler(Searcher):
     """Samples ``param_space`` as Tune's default generator does (grid + random).
 
@@ -53,16 +59,12 @@ class SpaceSampler(Searcher):
         self._space: Optional[Dict] = None
         self._rng = np.random.default_rng(random_state)
         self._pass: List[Dict] = []
-        self.grid_size = 1
 
     def set_search_properties(
         self, metric: Optional[str], mode: Optional[str], config: Dict, **spec
     ) -> bool:
         self._space = copy.deepcopy(config) if config else None
         self._pass = []
-        if self._space:
-            self.grid_size = sum(1 for _ in generate_variants(
-                {"config": self._space}, random_state=np.random.default_rng(0)))
         return True
 
     def suggest(self, trial_id: str) -> Optional[Dict]:
@@ -144,6 +146,8 @@ class ChorusSearch(ConcurrencyLimiter):
     all (not ``num_samples`` times the grid, as its default generator does).
     The sampler walks the whole grid, then walks it again with new random
     draws: set ``num_samples`` to the grid size times the repeats you want.
+    A ``num_samples`` that is not a whole number of passes (Tune's default 1
+    under a grid, say) is refused before any trial starts, naming both.
     Pass ``TuneConfig(reuse_actors=True)``: a trial actor then serves trial
     after trial (each new one costs about 1.3 CPU-s of imports).
     """
@@ -203,6 +207,9 @@ class ChorusSearch(ConcurrencyLimiter):
         self, metric: Optional[str], mode: Optional[str], config: Dict, **spec
     ) -> bool:
         num_samples = spec.get("num_samples")
+        if self._own_sampler and config:
+            # Before anything else (the pool's new_run): a refused run changes nothing.
+            run_plan.check_grid_samples(grid_size(config), num_samples if isinstance(num_samples, int) else None)
         if isinstance(num_samples, int) and num_samples > 0:
             self._budget = num_samples
         self._stop_at, self._stop_criteria = run_plan.stop_terms(spec.get("stop"))
@@ -216,17 +223,17 @@ class ChorusSearch(ConcurrencyLimiter):
             # does not keep the order of its calls): it spares this search's members.
             get_pool(create=True).new_run.remote(self._prefix)
             run_plan.search_seats_cohorts()
-        ok = super().set_search_properties(metric, mode, config, **spec)
-        if self._own_sampler and self._budget and self.searcher.grid_size > 1 \
-                and self._budget % self.searcher.grid_size:
-            logger.warning(
-                "param_space has a grid of %d points but num_samples=%d: with a "
-                "Searcher, Tune runs num_samples trials in all, so the last pass "
-                "over the grid is cut short. Use a multiple of %d.",
-                self.searcher.grid_size, self._budget, self.searcher.grid_size)
-        return ok
+        return super().set_search_properties(metric, mode, config, **spec)
 
     def suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:
+        suggestion = self._suggest(trial_id)
+        if isinstance(suggestion, dict):
+            # Tune creates this trial next: its token holds its share of the
+            # buckets' cores (chorus_tune.tune.execution.resources).
+            run_plan.hand_trial_concurrency(self.max_concurrent)
+        return suggestion
+
+    def _suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:
         if len(self.live_trials) >= self.max_concurrent:
             return None
         if self._learning and ray.is_initialized():
@@ -383,7 +390,7 @@ class ChorusSearch(ConcurrencyLimiter):
             # No ChorusTrainable in this process: the run's trainable is a plain
             # one, and this search is a concurrency limiter that samples.
             self._learning = False
-            return self.suggest(trial_id)
+            return self._suggest(trial_id)
         pulled = self._pull()
         if pulled is None:
             if self._exhausted or self._budget_spent():

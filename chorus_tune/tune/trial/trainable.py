@@ -28,10 +28,13 @@ from ..execution.pool import NEED_TASK, Reservation, call_pool, get_pool, pool_l
 from ..execution.resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
 from ..execution.waits import Evicted, Stall, StalledWait
 from ..observe.actor_log import log_to_actor_stdout
+from ..search import run_plan
+from .checkpoint import write_weights
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT = 1
+# 2: the member's bytes hold its weights apart (state_io), and the directory a weights file.
+CHECKPOINT_FORMAT = 2
 _LEAVE_TIMEOUT_S = 30.0
 _PLACEMENT_POLL_S = 10.0  # how often a trial waiting for its bucket asks the pool what it waits for
 # Every ChorusTrainable class with a task made in this process: a ChorusSearch
@@ -153,16 +156,24 @@ class ChorusTrainable(Trainable):
 
     @classmethod
     def default_resource_request(cls, config: dict) -> PlacementGroupFactory:
-        # A token CPU: Tune rejects an all-zero request, and the work is done
-        # by the buckets. Sized so Tune runs about as many trials as there are
-        # slots (see chorus_tune.tune.execution.resources).
+        # Tune rejects an all-zero request, and the work is done by the
+        # buckets: the tokens hold the buckets' cores between them under
+        # ChorusSearch, and under Tune's default search are sized so Tune runs
+        # about as many trials as there are slots (chorus_tune.tune.execution.resources).
         token = FALLBACK_TOKEN_CPU
+        concurrency = run_plan.take_trial_concurrency()  # a trial ChorusSearch suggested
         if ray.is_initialized():
             _start_pool_early()
             cluster = ray.cluster_resources()
             per_bucket = bucket_resources(cls.resources_per_bucket, cluster)
             size = cls.bucket_options().expected_size
-            if cls.max_buckets is not None:
+            if concurrency is not None:
+                # The trials ChorusSearch runs at once hold the buckets' cores
+                # (the open buckets share every core where there is no GPU
+                # and the resources are the default: the pool's _share_cores).
+                shares = cluster.get("GPU", 0) <= 0 and cls.resources_per_bucket is None
+                token = trial_token_cpu(cluster, per_bucket, size, concurrency=concurrency, shares_cores=shares)
+            elif cls.max_buckets is not None:
                 slots = size * cls.max_buckets
                 token = max(1e-4, round(cluster.get("CPU", 1) / slots - 5e-5, 4))
             else:
@@ -243,6 +254,9 @@ class ChorusTrainable(Trainable):
             except GetTimeoutError as exc:
                 raise TimeoutError(f"trial {self.trial_id} waited {self.result_timeout_s}s (result_timeout_s) "
                                    f"for member {self._member}'s state from bucket {self._bucket_name}") from exc
+        # The weights alone, as a file that loads without running code
+        # (torch.load(weights_only=True)): taken out of the bytes without torch.
+        write_weights(checkpoint_dir, state)
         return {
             "chorus_format": CHECKPOINT_FORMAT,
             "member": state,  # bytes (chorus_tune.tune.trial.state_io), or None before the first result
