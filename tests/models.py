@@ -27,6 +27,12 @@ def mlp(config: dict) -> nn.Module:
     return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
 
 
+def tanh_mlp(config: dict) -> nn.Module:
+    """``mlp`` with a smooth activation: no kink for rounding noise to cross (tests/stable_settings.py)."""
+    width = config.get("width", 32)
+    return nn.Sequential(nn.Linear(64, width), nn.Tanh(), nn.Linear(width, 10))
+
+
 class SmallCNN(nn.Module):
     def __init__(self, channels: int = 4):
         super().__init__()
