@@ -1,4 +1,5 @@
 """ChorusSearch driven directly, as Tune's SearchGenerator drives it (no Ray cluster)."""
+import logging
 import pickle
 
 import pytest
@@ -231,3 +232,41 @@ def test_each_suggestion_hands_tune_s_next_trial_the_search_s_concurrency():
     _suggest(s, ["t1", "t2"])
     run_plan.take_trial_concurrency()
     assert s.suggest("t3") is None and run_plan.take_trial_concurrency() is None  # no trial: nothing handed
+
+
+def _width_mlp(config):
+    from torch import nn
+
+    return nn.Sequential(nn.Linear(64, int(config["l1"])), nn.ReLU(), nn.Linear(int(config["l1"]), 10))
+
+
+def _width_trainable():
+    import chorus_tune as ct
+    from chorus_tune import ChorusTrainable
+    from chorus_tune.examples_data import digits_split
+
+    return ChorusTrainable.for_task(ct.Task(_width_mlp, digits_split), bucket_size=16)
+
+
+def test_a_space_that_splits_into_structures_is_said_as_a_warning_when_the_run_starts(caplog):
+    search = ChorusSearch(task=_width_trainable())
+    space = {"l1": tune.grid_search([16, 32, 64, 128]), "lr": tune.grid_search([0.1, 0.01])}
+    with caplog.at_level("INFO", logger="chorus_tune.tune.search.search"):
+        search.set_search_properties("val_loss", "min", space, num_samples=8)
+    (record,) = [r for r in caplog.records if "structures" in r.getMessage()]
+    assert record.levelname == "WARNING"
+    assert record.getMessage() == (
+        "ChorusSearch: 8 trials fall into 4 structures (l1 takes 4 values; their parameters, module configuration "
+        "differ): "
+        "the largest structure holds 2 of them, the smallest 2; each structure fuses only within itself")
+
+
+def test_a_space_of_one_structure_is_said_to_fuse_at_info():
+    search = ChorusSearch(task=_width_trainable())
+    with pytest.MonkeyPatch.context() as mp:
+        logged = []
+        mp.setattr("chorus_tune.tune.search.search.logger.log",
+                   lambda level, fmt, *a: logged.append((level, fmt % a)))
+        search.set_search_properties("val_loss", "min", {"l1": 32, "lr": tune.grid_search([0.1, 0.01])},
+                                     num_samples=2)
+    assert logged == [(logging.INFO, "ChorusSearch: 2 trials share one structure: they fuse in buckets of up to 16")]

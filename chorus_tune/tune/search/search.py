@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 # on unseated, saying so. Measured: a scout's first step reaches the pool 2-5 s
 # after Tune creates it on a loaded 2-core machine.
 SCOUT_TIMEOUT_S = 60.0
+# Configs drawn to say how a space splits into structures (at most; fewer when
+# num_samples is smaller): meta-device builds, about 1 ms each.
+_SPLIT_SAMPLE = 64
 
 
 
@@ -223,7 +226,30 @@ class ChorusSearch(ConcurrencyLimiter):
             # does not keep the order of its calls): it spares this search's members.
             get_pool(create=True).new_run.remote(self._prefix)
             run_plan.search_seats_cohorts()
+        self._say_how_the_space_splits(config, num_samples)
         return super().set_search_properties(metric, mode, config, **spec)
+
+    def _say_how_the_space_splits(self, config: Dict, num_samples: Any) -> None:
+        """Tell the user, as the run starts, how its trials fall into
+        structures and what splits them (a WARNING when they do not all
+        fuse): a width or batch-size sweep otherwise shows only as
+        ``chorus/live`` 1 afterwards. Read off a sample of the space drawn
+        apart from the run's own (its draws are untouched); never fails the run."""
+        if not config or self._task_blob is None:
+            return
+        try:
+            from .space_split import split_of
+
+            task = cloudpickle.loads(self._task_blob)
+            n = num_samples if isinstance(num_samples, int) and 0 < num_samples <= _SPLIT_SAMPLE else _SPLIT_SAMPLE
+            sampler = SpaceSampler(random_state=0)
+            sampler.set_search_properties(None, None, config)
+            split = split_of(task, [sampler.suggest(str(i)) for i in range(n)])
+        except Exception:  # noqa: BLE001 - a report, not a check: the trials say what fails
+            logger.debug("ChorusSearch: could not read how the space splits", exc_info=True)
+            return
+        level = logging.WARNING if split.structures > 1 else logging.INFO
+        logger.log(level, "ChorusSearch: %s", split.message(self.bucket_size))
 
     def suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:
         suggestion = self._suggest(trial_id)
