@@ -91,7 +91,9 @@ class Task:
     tuple ``(X, y)`` of tensors or arrays or a ``TensorDataset`` (every member
     then draws its own seeded batch order) or any other ``Dataset`` (one loader
     per bucket: every member sees the same batch, in an order seeded by
-    ``data_seed``). ``loss`` is ``"cross_entropy"``, ``"mse"`` or a callable
+    ``data_seed``). ``loss`` is ``"cross_entropy"`` (targets as class indices,
+    or as class probabilities shaped like the output: soft labels, whose
+    accuracy counts the argmax of each target), ``"mse"`` or a callable
     ``(output, target) -> per-sample losses``. ``optimizer`` is ``"sgd"``,
     ``"adam"`` or ``"adamw"``; a config may override it and ``batch_size``
     with keys of those names. ``iteration_steps=None`` makes one iteration one
