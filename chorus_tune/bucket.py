@@ -12,7 +12,7 @@ from torch import nn
 from . import losses
 from .configuration import deterministic_dropout
 from .data import BatchOrder, SharedBatches, eval_batches, first_batch
-from .member_state import check_member_state
+from .member_state import check_member_state, check_state_fits
 from .memory import describe_memory, is_out_of_memory, release_memory
 from .optim import OptimizerSnapshot, StackedOptimizer, hyperparameters, scheduled_lr
 from .precision import autocast
@@ -275,6 +275,7 @@ class Bucket:
         label_smoothing = losses.label_smoothing_from_config(self.task.loss, config)
         module = self.task.build_model(config, seed)  # the factory's own error propagates
         if state is not None:
+            check_state_fits(state, family, module)
             module.load_state_dict(state["model"])
         key = module_key(self.task, config, module)  # the model is built already: no second build
         if self.key is not None and key != self.key:
@@ -282,7 +283,9 @@ class Bucket:
                 f"config {config} does not share this bucket's structure ({self.model_name}): "
                 f"{describe_split(self.key, key)}"
             )
-        if self.stack is None:
+        if self.stack is None:  # the data, model and capacity, checked before the bucket takes memory
+            self.task.check_model(module)
+            self.task.check_capacity(self.capacity, module, config, self.device)
             self._materialise(module, key, config)
         slot = free[0]
         order = None
@@ -428,12 +431,13 @@ class Bucket:
         first = self.members[live[0]]
         steps = self.task.steps_per_iteration(first.config)
         orders = {k: self.members[k].order.state_dict() for k in live if self.members[k].order is not None}
+        lr = self._lr_table(live, steps)  # before the batch orders move: a raise here leaves every member as it was
         try:
             index = self._index_table(live, steps)  # advances the batch orders
         except BaseException:
             self._rewind_orders(orders)  # no member may lose its place in the data
             raise
-        return _Plan(live, steps, self._lr_table(live, steps), index, orders, smoothing=self._smoothing(live))
+        return _Plan(live, steps, lr, index, orders, smoothing=self._smoothing(live))
 
     def _smoothing(self, live: list[int]) -> torch.Tensor | None:
         """Each member's label smoothing as a ``(capacity,)`` tensor, or ``None``
