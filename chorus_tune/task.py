@@ -119,8 +119,8 @@ class _ReadRecorder(dict):
     is called with one, so that a key nothing reads can be named. A reader
     that iterates over it or copies it counts as reading every key."""
 
-    def __init__(self, config: dict | None = None):  # no argument: how copy and pickle rebuild one
-        super().__init__(config or {})
+    def __init__(self, config: dict):
+        super().__init__(config)
         self.read: set = set()
 
     def _all(self) -> None:
