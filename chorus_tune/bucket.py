@@ -13,7 +13,7 @@ from torch import nn
 from . import losses
 from .configuration import deterministic_dropout
 from .data import BatchOrder, SharedBatches, eval_batches, first_batch
-from .member_state import check_member_state
+from .member_state import check_member_state, check_state_fits
 from .memory import describe_memory, is_out_of_memory, release_memory
 from .optim import OptimizerSnapshot, StackedOptimizer, hyperparameters, scheduled_lr
 from .precision import autocast
@@ -290,6 +290,7 @@ class Bucket:
         label_smoothing = losses.label_smoothing_from_config(self.task.loss, config)
         module = self.task.build_model(config, seed)  # the factory's own error propagates
         if state is not None:
+            check_state_fits(state, family, module)
             module.load_state_dict(state["model"])
         key = module_key(self.task, config, module)  # the model is built already: no second build
         if self.key is not None and key != self.key:
@@ -297,7 +298,9 @@ class Bucket:
                 f"config {config} does not share this bucket's structure ({self.model_name}): "
                 f"{describe_split(self.key, key)}"
             )
-        if self.stack is None:
+        if self.stack is None:  # the data, model and capacity, checked before the bucket takes memory
+            self.task.check_model(module)
+            self.task.check_capacity(self.capacity, module, config, self.device)
             self._materialise(module, key, config)
         slot = free[0]
         order = None

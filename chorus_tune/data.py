@@ -8,6 +8,7 @@ per bucket: every member sees the same batch, decoded once for all of them.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Any, Iterator
 
 import torch
@@ -59,9 +60,28 @@ class BatchOrder:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.generator.set_state(state["generator"])
-        self.perm = None if state["perm"] is None else state["perm"].clone()
-        self.pos = int(state["pos"])
+        """Continue a saved order; a ``ValueError`` (nothing changed) for one
+        that is not a ``state_dict`` of an order over these ``n`` samples: a
+        permutation of another length would index past the data mid-run."""
+        missing = [k for k in ("generator", "perm", "pos") if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise ValueError(f"member state 'data' must be a BatchOrder.state_dict with 'generator', 'perm' and "
+                             f"'pos'; it lacks {', '.join(repr(k) for k in missing)}")
+        perm, pos = state["perm"], state["pos"]
+        if perm is not None and tuple(perm.shape) != (self.n,):
+            raise ValueError(f"member state 'data' is a batch order over {perm.shape[0] if perm.dim() else '?'} "
+                             f"samples, but this task's training split has {self.n}: a member state moves only "
+                             "between buckets of the same task and data")
+        if isinstance(pos, bool) or not isinstance(pos, numbers.Integral) or not 0 <= pos <= self.n:
+            raise ValueError(f"member state 'data' position must be an integer in [0, {self.n}]; got {pos!r}")
+        generator = torch.Generator()
+        try:
+            generator.set_state(state["generator"])
+        except (TypeError, RuntimeError) as exc:
+            raise ValueError(f"member state 'data' generator is not a torch.Generator state: {exc}") from None
+        self.generator = generator
+        self.perm = None if perm is None else perm.clone()
+        self.pos = int(pos)
 
 
 class SharedBatches:

@@ -106,4 +106,12 @@ def smoothing_parts(loss_fn: LossFn) -> Callable[[torch.Tensor, torch.Tensor], t
 
 
 def accuracy_count(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return (output.argmax(dim=-1) == target).sum()
+    """Correct predictions in a batch: the output's argmax over classes against
+    the class index, or, for class-probability targets (floating, shaped like
+    the output), against the argmax of each target. Compared as they were, a
+    ``(B, C)`` target broadcast against the ``(B,)`` predictions: an error, or,
+    where ``B == C``, a silently wrong count."""
+    class_dim = 1 if output.dim() > 1 else 0
+    if target.is_floating_point() and target.shape == output.shape:
+        target = target.argmax(dim=class_dim)
+    return (output.argmax(dim=class_dim) == target).sum()

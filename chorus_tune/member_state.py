@@ -64,6 +64,9 @@ def check_member_state(state: Any) -> None:
         has = _keys(optimizer) if isinstance(optimizer, Mapping) else type(optimizer).__name__
         raise ValueError(f"member state 'optimizer' must be a StackedOptimizer.member_state dict with keys "
                          f"{', '.join(repr(k) for k in OPTIMIZER_STATE_KEYS)}; got {has}")
+    data = state.get("data")
+    if data is not None and not isinstance(data, Mapping):
+        raise ValueError(f"member state 'data' must be a batch order's state_dict, or None; got {type(data).__name__}")
     as_seed(state["seed"], "member state 'seed'")
     for key in ("iteration", "step"):
         if not _is_count(state[key]):
@@ -77,3 +80,46 @@ def _is_count(value: Any) -> bool:
         return operator.index(value) >= 0
     except TypeError:
         return isinstance(value, numbers.Real) and float(value).is_integer() and value >= 0
+
+
+def check_state_fits(state: Mapping, family: str, module: Any) -> None:
+    """Raise a ``ValueError`` naming what does not fit, before anything is
+    loaded, when a member state (checked by :func:`check_member_state`) is
+    not one of ``module``'s structure trained with optimizer ``family``: its
+    optimizer state of another family (a bare ``KeyError: 'momentum_buffer'``
+    before), or a model or optimizer tensor missing, extra or of another
+    shape."""
+    from .optim import optimizer_family  # torch: only here, where a bucket loads the state
+
+    optimizer = state["optimizer"]
+    saved_family = optimizer.get("family", family)
+    if saved_family != family:
+        raise ValueError(f"member state's optimizer state is {saved_family!r}'s, but this member trains with "
+                         f"{family!r} (its config's 'optimizer', else the task's): restore it with a config of "
+                         f"optimizer={saved_family!r}, into a bucket of that family")
+    shapes = {k: tuple(getattr(v, "shape", ())) for k, v in module.state_dict().items()}
+    _check_tensors("'model'", state["model"], shapes)
+    tensors = optimizer["tensors"]
+    if not isinstance(tensors, Mapping):
+        raise ValueError(f"member state 'optimizer' 'tensors' must be a dict; got {type(tensors).__name__}")
+    names = optimizer_family(family).state_names
+    for name, parameter in module.named_parameters():
+        saved = tensors.get(name)
+        if not isinstance(saved, Mapping):
+            raise ValueError(f"member state 'optimizer' has no state for parameter {name!r} (it has "
+                             f"{_keys(tensors)}): not a state of this model's structure")
+        _check_tensors(f"'optimizer' for {name!r}", saved, {s: tuple(parameter.shape) for s in names})
+
+
+def _check_tensors(what: str, saved: Mapping, expected: Mapping[str, tuple]) -> None:
+    missing = [k for k in expected if k not in saved]
+    extra = [k for k in saved if k not in expected]
+    if missing or extra:
+        raise ValueError(f"member state {what} does not fit this model: missing {_keys(dict.fromkeys(missing))}, "
+                         f"unexpected {_keys(dict.fromkeys(extra))}. A member state restores only into a bucket "
+                         "of the model and optimizer it was saved from")
+    for key, shape in expected.items():
+        got = tuple(getattr(saved[key], "shape", ()))
+        if got != shape:
+            raise ValueError(f"member state {what}: {key!r} has shape {got}, but this model's is {shape}: "
+                             "a member state restores only into a bucket of the model it was saved from")

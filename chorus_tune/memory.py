@@ -16,16 +16,20 @@ import torch
 GIB = 2**30
 
 # Errors that mean an allocation failed. cuBLAS and cuDNN report a failed
-# workspace allocation as a plain RuntimeError with their status name in it, and
-# a kernel launch without memory as "CUDA error: out of memory".
-_OOM_MARKERS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed")
+# workspace allocation as a plain RuntimeError with their status name in it, a
+# kernel launch without memory as "CUDA error: out of memory", and torch's CPU
+# allocator as "DefaultCPUAllocator: can't allocate memory: you tried to
+# allocate N bytes".
+_OOM_MARKERS = ("out of memory", "cublas_status_alloc_failed", "cudnn_status_alloc_failed",
+                "can't allocate memory")
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
     """Whether ``exc`` (or an error it was raised from) is an allocation failure.
 
     ``torch.OutOfMemoryError`` anywhere (the user's forward included), and the
-    RuntimeErrors cuBLAS/cuDNN/CUDA raise when an allocation fails. Anything
+    RuntimeErrors cuBLAS/cuDNN/CUDA and the CPU allocator raise when an
+    allocation fails. Anything
     else is a real error and must not be retried in smaller groups.
     """
     seen = 0
@@ -61,6 +65,31 @@ def host_memory() -> tuple[int, int]:
     except (OSError, KeyError, ValueError):
         page = os.sysconf("SC_PAGE_SIZE")
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
+def available_bytes(device: torch.device) -> int:
+    """Bytes ``device`` could still give this process (host memory for a CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0]) + int(torch.cuda.memory_reserved(device)
+                                                             - torch.cuda.memory_allocated(device))
+    return host_memory()[0]
+
+
+def check_capacity_fits(capacity: int, member_bytes: int, device: torch.device) -> None:
+    """Refuse a bucket of ``capacity`` slots whose least memory, ``capacity x
+    member_bytes`` (a lower bound: every slot is a row of every stacked tensor,
+    and the vmap route computes every row), is more than ``device`` has
+    available: it would fail only after minutes of allocation, or take the
+    host down. Raises ``ValueError`` naming the capacity that would fit."""
+    available = available_bytes(device)
+    if capacity * member_bytes <= available:
+        return
+    fits = max(1, available // max(1, member_bytes))
+    raise ValueError(
+        f"capacity {capacity} needs at least {capacity * member_bytes / GIB:.2f} GiB on {device} for this model "
+        f"({member_bytes / 2**20:.3f} MiB a slot: parameters, gradients, optimizer state, buffers and a batch), "
+        f"more than is available ({describe_memory(device)}). Pass a capacity of at most {fits} (or "
+        "chorus_tune.capacity.auto_capacity / bucket_size='auto' to size it from memory)")
 
 
 def describe_memory(device: torch.device) -> str:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 
 from .rows import RowCopies, copy_rows, put_rows
-from .schedules import SCHEDULES, schedule_from_config, scheduled_lr
+from .schedules import SCHEDULES, as_number, non_negative, schedule_from_config, scheduled_lr
 
 __all__ = [
     "FAMILIES", "HYPERPARAMETER_DEFAULTS", "OPTIMIZERS", "SCHEDULES", "OptimizerFamily", "OptimizerSnapshot",
@@ -349,9 +349,9 @@ def hyperparameters(family: str, config: dict) -> dict[str, Any]:
     checked, plus its learning-rate ``schedule``."""
     spec = optimizer_family(family)
     hp = {name: config.get(name, default) for name, default in spec.defaults.items()}
-    for name, value in hp.items():
-        if name not in spec.switches and not (isinstance(value, (int, float)) and value >= 0):
-            raise ValueError(f"{name} must be a non-negative number; got {value!r}")
+    for name, default in spec.defaults.items():
+        if name not in spec.switches:  # numpy and 0-d tensor numbers taken as floats; bools refused
+            hp[name] = non_negative(config, name, default)
     spec.check(hp)
     hp["schedule"] = schedule_from_config(config)
     hp["max_grad_norm"] = max_grad_norm_from_config(config)
@@ -367,9 +367,10 @@ def max_grad_norm_from_config(config: dict) -> float | None:
     value = config.get("max_grad_norm")
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+    number = as_number(value)  # numpy and 0-d tensor numbers too
+    if number is None or math.isnan(number) or number < 0:
         raise ValueError(f"max_grad_norm must be a non-negative number, or None for no clipping; got {value!r}")
-    return float(value)
+    return number
 
 
 def build_torch_optimizer(family: str, params, hp: dict[str, Any]) -> torch.optim.Optimizer:

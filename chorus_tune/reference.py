@@ -54,7 +54,9 @@ class ReferenceRun:
         family = task.optimizer_for(config)
         self.hp = hyperparameters(family, config)
         self.label_smoothing = losses.label_smoothing_from_config(task.loss, config)
-        self.model = task.build_model(config, self.seed).to(self.device)
+        self.model = task.build_model(config, self.seed)
+        task.check_model(self.model)  # the checks a bucket makes of its first member
+        self.model = self.model.to(self.device)
         self.optimizer = build_torch_optimizer(family, self.model.parameters(), self.hp)
         train_split, val_split = task.load_data()
         batch = task.batch_size_for(config)

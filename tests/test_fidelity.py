@@ -199,3 +199,43 @@ def test_bf16_autocasts_training_and_evaluation_and_keeps_batchnorm_statistics_f
 def test_an_unknown_precision_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"precision must be one of \('fp32', 'bf16'\); got 'fp16'"):
         ct.Task(mlp, digits(), precision="fp16")
+
+
+# ----- class-probability targets (soft labels) ------------------------------------------------------
+def soft_label_task(eval_batch_size: int = 1024, n_val: int = 256) -> ct.Task:
+    """Digits with soft labels: each target a distribution over the 10 classes,
+    peaked on the true class (what F.cross_entropy takes as probabilities)."""
+    (x, y), (xv, yv) = digits(n_val=n_val)
+    generator = torch.Generator().manual_seed(0)
+
+    def soften(labels: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand(len(labels), 10, generator=generator)
+        return torch.softmax(noise + 4 * nn.functional.one_hot(labels, 10), dim=1)
+
+    return ct.Task(mlp, ((x, soften(y)), (xv, soften(yv))), batch_size=32, iteration_steps=10,
+                   eval_batch_size=eval_batch_size)
+
+
+@pytest.mark.parametrize("route", ["vmap", "eager"])
+def test_soft_label_members_follow_their_reference(route):
+    configs = [dict(lr=0.1, seed=0), dict(lr=0.05, momentum=0.9, seed=1), dict(lr=0.1, label_smoothing=0.1, seed=2)]
+    bucket, fused = run_and_compare(soft_label_task(), configs, iterations=3, rtol=MLP_RTOL, route=route)
+    for slot, config in enumerate(configs):
+        history, _ = reference.train(soft_label_task(), config, iterations=3)
+        assert fused[-1][slot]["val_accuracy"] == pytest.approx(history[-1]["val_accuracy"], abs=1e-6)
+    assert fused[-1][0]["val_accuracy"] > 0.2  # chance is 0.1: the argmax of each target is its true class
+
+
+@pytest.mark.parametrize("route", ["vmap", "eager"])
+def test_soft_label_accuracy_is_right_where_the_eval_batch_equals_the_class_count(route):
+    # 10 rows against 10 classes, in every batch of the 250: comparing argmax
+    # (10,) with the (10, 10) targets broadcast to (10, 10) instead of
+    # raising, and counted nonsense.
+    task = soft_label_task(eval_batch_size=10, n_val=250)
+    bucket = ct.Bucket(task, capacity=1, route=route)
+    bucket.add(dict(lr=0.1, seed=0))
+    fused = bucket.run_iteration()[0]
+    (xv, soft), model = task.load_data()[1].tensors, bucket.export_model(0)
+    with torch.no_grad():
+        expected = (model(xv).argmax(dim=1) == soft.argmax(dim=1)).float().mean().item()
+    assert fused["val_accuracy"] == pytest.approx(expected, abs=1e-6)

@@ -89,3 +89,9 @@ def test_a_bucket_on_the_vmap_route_trains_and_evaluates_without_importing_sympy
         "print('sympy' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.strip().splitlines()[-1] == "False"
+
+
+def test_accuracy_against_class_probabilities_counts_the_argmax_of_each_target():
+    output = torch.eye(3)[[0, 1, 2]] * 5  # predicts 0, 1, 2
+    target = torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.1, 0.8], [0.0, 0.1, 0.9]])  # classes 0, 2, 2
+    assert losses.accuracy_count(output, target).item() == 2
