@@ -300,7 +300,7 @@ def test_bad_hyperparameters_are_refused_with_a_clear_error():
 @pytest.mark.parametrize("route", ROUTES)
 def test_a_member_left_out_of_iterations_stays_frozen_then_catches_up_on_its_reference(route):
     # A CNN with BatchNorm: its statistics are what a full-stack vmap writes in the rows left out.
-    task = ct.Task(cnn, digits(images=True), optimizer="adam", batch_size=32, iteration_steps=5)
+    task = ct.Task(cnn, digits(images=True), optimizer="adam", batch_size=32, iteration_steps=3)
     bucket = ct.Bucket(task, 3, route=route)
     configs = [dict(lr=1e-3 * (i + 1), seed=10 + i) for i in range(3)]  # at lr=1e-2, Adam amplifies rounding to 1.6e-3
     slots = [bucket.add(c) for c in configs]
