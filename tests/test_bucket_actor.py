@@ -186,6 +186,48 @@ def test_a_cohort_at_a_rung_is_halved_in_the_bucket_and_the_stopped_train_no_fur
     assert bucket.book.wasted == 0
 
 
+def test_members_held_at_a_learnt_decision_point_ride_along_on_vmap_and_every_result_is_on_its_reference():
+    # Tune decides (speculate), the cap is 4. Trial d is stopped after
+    # iteration 1: the bucket learns the decision point 1. a, b and c train
+    # to it and wait for their trials; a's is continued, and b and c (held,
+    # short of the cap) ride along in a's iterations, which compute every
+    # row anyway on vmap.
+    plan = Plan(run_ahead=1, budget=4, speculate=True)
+
+    def held(bucket) -> bool:
+        return not bucket._lock.locked() and bucket.book.next_iteration(0.0, gather=False, ride=True) == ([], None)
+
+    async def scenario():
+        bucket = make_bucket(4, route="vmap")
+        reads = {m: [] for m in "abcd"}
+        await seat(bucket, "d", plan)
+        reads["d"].append(await bucket.next_result("d"))
+        await bucket.leave("d")                    # Tune stopped d at 1
+        learnt = bucket.book.stops.points
+        await seat(bucket, "abc", plan)
+        await until(lambda: held(bucket) and all(bucket.book.get(m).produced >= 1 for m in "abc"))
+        at_point = {m: bucket.book.get(m).produced for m in "abc"}
+        for _ in range(4):                         # Tune continues a past 1, to the cap
+            reads["a"].append(await bucket.next_result("a"))
+        ridden = {m: bucket.book.get(m).produced for m in "bc"}  # b's and c's trials have read nothing
+        for m in "bc":
+            reads[m] += [await bucket.next_result(m) for _ in range(4)]
+        return bucket, learnt, at_point, ridden, reads
+
+    bucket, learnt, at_point, ridden, reads = asyncio.run(scenario())
+    assert learnt == (1,)
+    assert at_point == {"a": 1, "b": 1, "c": 1}
+    assert ridden == {"b": 4, "c": 4}
+    # d's iterations, then one of a, b and c, then three in which b and c rode along (none of b or c alone).
+    assert [r[rk.LIVE] for r in reads["b"]] == [3, 3, 3, 3]
+    for m, results in reads.items():
+        assert all(r[rk.ROUTE] == "vmap" for r in results), m
+        assert [r["iteration"] for r in results] == list(range(1, len(results) + 1)), m
+        for ours, theirs in zip(results, reference_history(m, len(results))):
+            assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL), (m, ours["iteration"])
+    assert reads["a"][-1]["done"] and reads["b"][-1]["done"] and reads["c"][-1]["done"]
+
+
 def test_leaving_counts_the_results_nobody_read_as_wasted():
     async def scenario():
         bucket = make_bucket(1)
@@ -212,7 +254,8 @@ def test_a_leave_during_an_iteration_frees_its_slot_after_it_and_harms_nobody():
         await seat(bucket, "ab", Plan(budget=2, bucket_decides=True))
         await gate.reached()                       # iteration 1 holds the lock
         leaving = asyncio.create_task(bucket.leave("a"))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)                     # the leave runs up to the lock the iteration holds
+        assert not leaving.done() and bucket.book.get("a").phase.value != "left"
         gate.opened.set()
         await leaving
         return bucket, [await bucket.next_result("b") for _ in range(2)]
@@ -291,10 +334,9 @@ def test_a_member_whose_trial_leaves_while_it_is_built_leaves_no_slot_behind():
         await bucket.expect("a")
         reading = asyncio.create_task(bucket.next_result("a", join("a", Plan(run_ahead=1))))
         await gate.reached()                       # a's model is being built...
-        leaving = asyncio.create_task(bucket.leave("a"))  # ...when its trial goes away
-        await asyncio.sleep(0.05)
+        # ...when its trial goes away: a member with no slot yet leaves at once, not after the build.
+        assert await asyncio.wait_for(bucket.leave("a"), timeout=10)
         gate.opened.set()
-        await leaving
         return bucket, await reading
 
     bucket, result = asyncio.run(scenario())
@@ -314,7 +356,8 @@ def test_a_compaction_waits_for_the_running_iteration_and_renumbers_slots():
         second = asyncio.gather(bucket.next_result("b"), bucket.next_result("d"))
         await gate.reached()
         compaction = asyncio.create_task(bucket.compact())
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)                     # the compaction runs up to the lock the iteration holds
+        assert not compaction.done() and bucket.core.capacity == 4
         gate.opened.set()
         b2, d2 = await second
         capacity = await compaction
@@ -430,7 +473,8 @@ def test_a_second_request_before_the_first_is_answered_fails_the_first_rather_th
         first = asyncio.create_task(bucket.next_result("a"))
         await gate.reached()
         second = asyncio.create_task(bucket.next_result("a"))
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0)                     # the second request is in: it fails the first
+        assert not second.done()
         gate.opened.set()
         with pytest.raises(MemberError, match="again before its last request was answered"):
             await asyncio.wait_for(first, timeout=30)

@@ -39,13 +39,13 @@ WIDE = 2048  # activations per sample: enough draws that a wrong rate is many st
 BATCH = 64
 
 
-def zeroed_fraction_and_scale(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def zeroed_fraction_and_scale(output: torch.Tensor) -> list[float]:
     """Of one member's dropout output on an all-ones input: the fraction of
     zeros, and the value the kept ones were scaled to."""
     zeroed = (output == 0).float().mean()
     # Every kept value is the scale: its largest and smallest nonzero agree (a sum would round).
     smallest_kept = torch.where(output != 0, output, torch.full_like(output, float("inf"))).amin()
-    return torch.stack([zeroed, output.amax(), smallest_kept])
+    return [zeroed.item(), output.amax().item(), smallest_kept.item()]
 
 
 def binomial_bound(p: float, n: int, sigmas: float = 6.0) -> float:
@@ -53,26 +53,47 @@ def binomial_bound(p: float, n: int, sigmas: float = 6.0) -> float:
     return sigmas * math.sqrt(p * (1 - p) / n)
 
 
-@pytest.mark.parametrize("route", ["vmap", "compiled", "eager"])
-def test_eight_members_each_drop_at_their_own_rate_on_every_route(route):
-    task = ct.Task(lambda c: nn.Sequential(nn.Linear(8, WIDE), nn.Dropout(c["p"])),
+def ones_through_dropout(route: str, kind: type = nn.Dropout, training: bool = True, compile: bool = False):
+    """A bucket of eight members (``RATES`` twice, each its own seed) whose
+    model's activations before its ``kind`` dropout are all 1, and what comes
+    out for each member: the mask times the scale."""
+    task = ct.Task(lambda c: nn.Sequential(nn.Linear(8, WIDE), kind(c["p"])),
                    ((torch.ones(BATCH, 8), torch.zeros(BATCH, dtype=torch.long)),) * 2, batch_size=BATCH,
-                   compile=route == "compiled")
+                   compile=compile)
     bucket = ct.Bucket(task, 8, route=route)
     rates = {bucket.add(dict(p=p, seed=i)): p for i, p in enumerate(RATES * 2)}
-    # Every pre-dropout activation is 1: what comes out is the mask times the scale.
     with torch.no_grad():
         bucket.stack.params["0.weight"].zero_()
         bucket.stack.params["0.bias"].fill_(1.0)
-    bucket.stack.set_training(True)
+    bucket.stack.set_training(training)
     x, y = torch.ones(BATCH, 8), torch.zeros(BATCH, dtype=torch.long)
     with torch.no_grad():
-        stats = bucket.stack.call(route, zeroed_fraction_and_scale, x, y, shared=True, slots=list(rates))
+        outputs = bucket.stack.call(route, lambda output, target: output, x, y, shared=True, slots=list(rates))
+    return rates, outputs
+
+
+@pytest.mark.parametrize("route", ["vmap", "compiled", "eager"])
+def test_eight_members_each_drop_at_their_own_rate_on_every_route(route):
+    rates, outputs = ones_through_dropout(route, compile=route == "compiled")
     for slot, p in rates.items():
-        zeroed, largest, smallest = stats[slot].tolist()
+        zeroed, largest, smallest = zeroed_fraction_and_scale(outputs[slot])
         assert abs(zeroed - p) <= binomial_bound(p, BATCH * WIDE), f"slot {slot}: p={p} but {zeroed:.4f} zeroed"
         for scale in (largest, smallest):
             assert math.isclose(scale, 1 / (1 - p), rel_tol=1e-6), f"slot {slot}: kept values scaled by {scale}"
+    # Two members at one rate draw masks of their own (torch.vmap's randomness
+    # "different"): with "same", every member at a rate dropped the same units.
+    for slot, p in rates.items():
+        twin = next(k for k, q in rates.items() if q == p and k != slot)
+        if 0 < p < 1:
+            same = (outputs[slot] == outputs[twin]).float().mean().item()
+            assert same < 1.0, f"slots {slot} and {twin} (both p={p}) drew the same mask"
+
+
+@pytest.mark.parametrize("kind", [nn.Dropout, nn.AlphaDropout])
+def test_in_eval_mode_every_members_dropout_passes_its_input_through_on_vmap(kind):
+    rates, outputs = ones_through_dropout("vmap", kind, training=False)
+    for slot, p in rates.items():
+        assert torch.equal(outputs[slot], torch.ones(BATCH, WIDE)), f"slot {slot} (p={p}) changed its input in eval"
 
 
 def test_the_probe_rejects_a_fused_route_that_gives_members_another_members_rate():
@@ -87,12 +108,14 @@ def test_the_probe_rejects_a_fused_route_that_gives_members_another_members_rate
     assert "members [1, 2, 3]" in bucket.route_report()["rejected"]["vmap"]["detail"]
 
 
-def test_a_dropout_sweep_shares_one_bucket_and_the_probe_keeps_vmap():
+def test_a_dropout_sweep_shares_one_bucket_and_the_probe_keeps_vmap(vmap_times_faster):
     task = dropout_task()
     assert len({task.structural_key(dict(p=p)) for p in RATES}) == 1
     bucket = ct.Bucket(task, 4)
     slots = [bucket.add(dict(p=p, lr=0.05, seed=i)) for i, p in enumerate(RATES)]
-    bucket.run_iteration()
+    results = bucket.run_iteration()
+    # vmap is timed the faster (the fixture): eager here would mean the probe dropped it.
+    assert bucket.route == "vmap" and {m["route"] for m in results.values()} == {"vmap"}
     report = bucket.route_report()
     assert report["rejected"] == {} and report["reason"] == "faster"
     assert report["per_member"] == {"2.p": dict(zip(slots, RATES))}
@@ -148,7 +171,7 @@ def test_lifted_rates_stay_out_of_member_state_and_follow_the_member_through_res
     source.run_iteration()
     state = source.member_state(slots[3])
     assert state["model"].keys() == dropout_mlp(dict(p=0.9)).state_dict().keys()
-    assert source.export_model(slots[3])[2].p == 0.9
+    assert source.stack.member_settings(slots[3]) == pytest.approx({"2.p": 0.9})  # the rate the fused step used
     target = ct.Bucket(task, 3)
     target.add(dict(p=0.0, lr=0.05, seed=9))
     moved = target.restore(state)
@@ -209,12 +232,13 @@ def test_an_activation_sweep_gets_one_vmapped_bucket_per_activation_each_member_
             params_close(bucket.export_model(slot), model, MLP_RTOL)
 
 
-def test_the_probe_keeps_vmap_for_one_activation_where_it_ran_everyone_eager_before():
+def test_the_probe_keeps_vmap_for_one_activation_where_it_ran_everyone_eager_before(vmap_times_faster):
     task = ct.Task(activation_mlp, DATA, optimizer="sgd", batch_size=32, iteration_steps=5)
     bucket = ct.Bucket(task, 3)
     for i in range(3):
         bucket.add(dict(act="tanh", lr=0.1, seed=i))
-    bucket.run_iteration()
+    results = bucket.run_iteration()
+    assert bucket.route == "vmap" and {m["route"] for m in results.values()} == {"vmap"}
     assert bucket.route_report()["rejected"] == {}
 
 

@@ -72,19 +72,25 @@ def test_chorus_search_without_task_keeps_what_synchronous_halving_keeps(tmp_pat
     results, recorder = _sweep(tmp_path, trainable, ChorusSearch(bucket_size=16, random_state=0),
                                scheduler=ChorusASHA(max_t=9, grace_period=1, reduction_factor=4),
                                trials=16, iterations=9)
-    reached = {}
-    for result in results:
-        reached[result.metrics["trial_id"]] = result.metrics["training_iteration"]
-    assert sum(it > 1 for it in reached.values()) == 4
-    assert sum(it > 4 for it in reached.values()) == 1
+    reached = {r.metrics["trial_id"]: r.metrics["training_iteration"] for r in results}
     rows = _results(recorder)
+    # One cohort of 16 at rung 1; halving keeps the 4 best of it by the
+    # reference's val_loss, then the best of those at rung 4.
+    assert {r[rk.COHORT_SIZE] for r in rows if r["training_iteration"] == 1} == {16}
+    ref = {r.metrics["trial_id"]: [h["val_loss"] for h in reference.train(task, dict(r.config), r.metrics[rk.SEED],
+                                                                          min(reached[r.metrics["trial_id"]], 4))[0]]
+           for r in results}
+    kept_at_1 = {t for t, it in reached.items() if it > 1}
+    assert kept_at_1 == set(sorted(ref, key=lambda t: ref[t][0])[:4])
+    assert {t for t, it in reached.items() if it > 4} == {min(kept_at_1, key=lambda t: ref[t][3])}
     assert {r[rk.BUCKET] for r in rows} == {rows[0][rk.BUCKET]}  # the scout trained with its cohort
     assert max(r[rk.WASTED] for r in rows) == 0
 
 
 def test_stock_asha_stops_on_the_fused_metrics_and_its_waste_is_bounded(tmp_path):
     task = digits_task()
-    trainable = ChorusTrainable.for_task(task, bucket_size=8, max_buckets=1)
+    # idle_close_s: the bucket stays open, so that what it learnt can be read after the run.
+    trainable = ChorusTrainable.for_task(task, bucket_size=8, max_buckets=1, idle_close_s=60.0)
     max_t = 6
     results, recorder = _sweep(tmp_path, trainable, ChorusSearch(task=trainable, random_state=0),
                                scheduler=ASHAScheduler(max_t=max_t, grace_period=1, reduction_factor=4),
@@ -100,6 +106,10 @@ def test_stock_asha_stops_on_the_fused_metrics_and_its_waste_is_bounded(tmp_path
         assert row["val_loss"] == pytest.approx(expect, rel=1e-5, abs=1e-6)
     # Stock ASHA stopped some trials early; the bucket learnt its rung at 1.
     assert any(r.metrics["training_iteration"] < max_t for r in results)
+    from chorus_tune.tune import bucket_stats
+
+    (bucket,) = {r[rk.BUCKET] for r in rows}
+    assert 1 in bucket_stats()[bucket]["decision_points"]
     # The bound (README, "How it runs"): a member trains past a Tune decision
     # point only before the bucket has seen a trial stopped there, so each
     # trial stopped early wastes at most max_t - 1 iterations.

@@ -218,6 +218,11 @@ def _reserve(trainable, trial: str, config: dict, seed: int):
     return reply, handle
 
 
+def _still_leaving(pool, member: str) -> bool:
+    """For ``__ray_call__`` on the pool: whether a leave of ``member`` is under way."""
+    return pool.leaving.is_leaving(member)
+
+
 def test_a_trial_reserving_while_its_last_member_still_leaves_gets_the_member_its_join_builds():
     # As Tune's actor reuse does it (a PBT exploit, a resume): reset_config sends
     # the last trial's leave without waiting for it (ChorusTrainable._leave),
@@ -232,7 +237,15 @@ def test_a_trial_reserving_while_its_last_member_still_leaves_gets_the_member_it
     ray.get(bucket.next_result.remote(old.member, Join(config={"lr": 0.05}, seed=seed, plan=old.plan)), timeout=60)
     # The bucket now trains iteration 2 ahead (run_ahead), under its lock.
     get_pool().trial_left.remote(trial, old.token)  # not waited for, as reset_config does
-    new, bucket = _reserve(trainable, trial, {"lr": 0.5}, seed)
+    reserving = get_pool().reserve.remote(trial, trainable._task_id, trainable._task_blob, {"lr": 0.5},
+                                          trainable.bucket_options(), None, seed)
+    # The race itself: the reservation went in while the leave was still under
+    # way (its bucket holds it to the end of the ~0.3 s iteration). Were the
+    # leave over already, this test would check nothing.
+    assert ray.get(get_pool().__ray_call__.remote(_still_leaving, old.member), timeout=60), \
+        "the old member's leave was over before the new reservation: the race never happened"
+    new = ray.get(reserving, timeout=60)
+    bucket = new.handle or ray.get(get_pool().await_placement.remote(new.member), timeout=60)[1]
     join = Join(config={"lr": 0.5}, seed=seed, plan=new.plan)
     read = [ray.get(bucket.next_result.remote(new.member, join), timeout=60),
             ray.get(bucket.next_result.remote(new.member), timeout=60)]
