@@ -186,12 +186,16 @@ def test_a_cohort_at_a_rung_is_halved_in_the_bucket_and_the_stopped_train_no_fur
     assert bucket.book.wasted == 0
 
 
-def test_members_held_at_a_learnt_decision_point_ride_along_on_vmap_and_every_result_is_on_its_reference():
+@pytest.mark.parametrize("rows_cost_alike", [False, True], ids=["vmap_gathers", "every_row_runs"])
+def test_members_held_at_a_learnt_decision_point_ride_only_where_every_row_runs_and_stay_on_their_reference(
+        monkeypatch, rows_cost_alike):
     # Tune decides (speculate), the cap is 4. Trial d is stopped after
     # iteration 1: the bucket learns the decision point 1. a, b and c train
-    # to it and wait for their trials; a's is continued, and b and c (held,
-    # short of the cap) ride along in a's iterations, which compute every
-    # row anyway on vmap.
+    # to it and wait for their trials; a's is continued. On vmap an iteration
+    # gathers the rows it trains, so b and c (held, short of the cap) do not
+    # ride along: a row would cost. Where every row of the stack runs anyway
+    # (the compiled route's full-stack call, simulated here on vmap) they do.
+    monkeypatch.setattr(ChorusBucket, "_rows_cost_alike", lambda self: rows_cost_alike)
     plan = Plan(run_ahead=1, budget=4, speculate=True)
 
     def held(bucket) -> bool:
@@ -217,9 +221,13 @@ def test_members_held_at_a_learnt_decision_point_ride_along_on_vmap_and_every_re
     bucket, learnt, at_point, ridden, reads = asyncio.run(scenario())
     assert learnt == (1,)
     assert at_point == {"a": 1, "b": 1, "c": 1}
-    assert ridden == {"b": 4, "c": 4}
-    # d's iterations, then one of a, b and c, then three in which b and c rode along (none of b or c alone).
-    assert [r[rk.LIVE] for r in reads["b"]] == [3, 3, 3, 3]
+    if rows_cost_alike:
+        assert ridden == {"b": 4, "c": 4}
+        # One iteration of a, b and c, then three in which b and c rode along (none of b or c alone).
+        assert [r[rk.LIVE] for r in reads["b"]] == [3, 3, 3, 3]
+    else:
+        assert ridden == {"b": 1, "c": 1}
+        assert all(r[rk.ROWS] == r[rk.LIVE] for results in reads.values() for r in results)
     for m, results in reads.items():
         assert all(r[rk.ROUTE] == "vmap" for r in results), m
         assert [r["iteration"] for r in results] == list(range(1, len(results) + 1)), m
