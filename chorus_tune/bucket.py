@@ -145,8 +145,8 @@ class Bucket:
     """
 
     def __init__(self, task: Task, capacity: int, device: str | torch.device = "cpu", route: str = "auto"):
-        if capacity < 1:
-            raise ValueError(f"capacity must be positive; got {capacity}")
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity must be a positive integer (the number of slots); got {capacity!r}")
         self.routing = RouteChoice(route)  # a ValueError for an unknown route
         self.task, self.capacity, self.device = task, capacity, torch.device(device)
         self.key: StructuralKey | None = None

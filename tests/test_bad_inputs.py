@@ -9,6 +9,7 @@ as class 0 there; a zero schedule length broke every mate's iteration).
 from __future__ import annotations
 
 import pickle
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -407,3 +408,33 @@ def test_a_model_that_keeps_its_config_still_copies_saves_and_exports():
     bucket.run_iteration()
     exported = bucket.export_model(0)
     assert dict(pickle.loads(pickle.dumps(exported)).config) == MATE
+
+
+@pytest.mark.parametrize("capacity", [2.5, True, 0, "4"])
+def test_a_capacity_that_is_not_a_positive_integer_is_refused_by_name(capacity):
+    with pytest.raises(ValueError, match=rf"capacity must be a positive integer \(the number of slots\); "
+                                         rf"got {re.escape(repr(capacity))}"):
+        ct.Bucket(small_task(), capacity=capacity)
+
+
+# ----- checkpoints that are not ChorusTrainable checkpoints ---------------------------------------
+def test_a_directory_that_is_no_checkpoint_is_refused_naming_what_it_lacks(tmp_path):
+    from chorus_tune.tune import load_model
+
+    with pytest.raises(FileNotFoundError, match="is not a ChorusTrainable checkpoint directory"):
+        load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("foreign", [{}, {"model": 1}, {"chorus_format": 2}], ids=["empty", "other", "no_member"])
+def test_a_foreign_checkpoint_dict_is_refused_by_name_not_a_key_error(foreign):
+    from chorus_tune.tune import load_model
+
+    with pytest.raises(ValueError, match="not a ChorusTrainable checkpoint"):
+        load_model(foreign)
+
+
+def test_a_checkpoint_without_its_factory_says_to_pass_model():
+    from chorus_tune.tune import load_model
+
+    with pytest.raises(ValueError, match="no model factory .* pass model="):
+        load_model({"chorus_format": 2, "member": None, "factory": None})

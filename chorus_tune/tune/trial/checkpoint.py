@@ -39,6 +39,10 @@ def read_checkpoint(checkpoint: CheckpointLike) -> dict[str, Any]:
             return read_checkpoint(directory)
     if isinstance(checkpoint, (str, os.PathLike)):
         path = os.path.join(os.fspath(checkpoint), _DICT_FILE)
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{os.fspath(checkpoint)} is not a ChorusTrainable checkpoint directory: it has "
+                                    f"no {_DICT_FILE} (pass the directory Tune's Checkpoint points at, e.g. "
+                                    "result.checkpoint)")
         with open(path, "rb") as f:
             return cloudpickle.load(f)
     raise TypeError(f"expected a Tune Checkpoint, a checkpoint directory or a dict; got {type(checkpoint).__name__}")
@@ -57,9 +61,7 @@ def write_weights(checkpoint_dir: str, member: bytes | None) -> None:
 
 def member_state(checkpoint: CheckpointLike) -> dict[str, Any]:
     """The member state (a core ``Bucket.member_state``) held by a checkpoint."""
-    data = read_checkpoint(checkpoint)
-    if "chorus_format" not in data:
-        raise ValueError("not a ChorusTrainable checkpoint (no 'chorus_format' entry)")
+    data = _chorus_dict(read_checkpoint(checkpoint))
     if data["member"] is None:
         raise ValueError("this checkpoint was taken before the trial's first iteration: it holds no weights")
     return state_io.loads(data["member"])
@@ -122,8 +124,18 @@ def load_model(checkpoint: CheckpointLike, model: Any = None):
         return _fill(model, load_weights(checkpoint))
     from chorus_tune.export import model_from_state
 
-    data = read_checkpoint(checkpoint)
+    data = _chorus_dict(read_checkpoint(checkpoint))
+    if data.get("factory") is None:
+        raise ValueError("this checkpoint holds no model factory to rebuild the module: pass model= (a module "
+                         "you built for the trial's config) to fill it from the checkpoint's weights")
     return model_from_state(cloudpickle.loads(data["factory"]), member_state(data))
+
+
+def _chorus_dict(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict) or "chorus_format" not in data or "member" not in data:
+        raise ValueError("not a ChorusTrainable checkpoint (no 'chorus_format' and 'member' entries): pass the "
+                         "checkpoint of a trial that ran a ChorusTrainable")
+    return data
 
 
 def _check_module(model: Any) -> None:
