@@ -63,7 +63,7 @@ def test_the_bucket_log_has_a_status_line_per_iteration(sweep):
     actor = list_actors(address=dashboard, filters=[("name", "=", bucket)])[0]
     text = "".join(get_log(address=ray.get_runtime_context().gcs_address, actor_id=actor.actor_id, suffix="out",
                           tail=-1))
-    status = re.compile(rf"{re.escape(bucket)}: iteration (\d+), live \d+/\d+, trained \d+, route \w+, ")
+    status = re.compile(rf"{re.escape(bucket)}: iteration (\d+), live \d+/\d+, trained \d+, rows \d+, route [\w+]+, ")
     iterations = [int(m.group(1)) for m in map(status.search, text.splitlines()) if m]
     last = max(int(v) for r in results for v in r.metrics_dataframe["chorus/bucket_iteration"])
     assert iterations[:last] == list(range(1, last + 1))
