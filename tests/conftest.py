@@ -28,6 +28,15 @@ import warnings
 
 import pytest
 import ray
+import torch
+
+# The tests' own torch work (references, core buckets) at one thread: on this
+# 2-core machine, busy with the suite's other pytest and Ray workers, two
+# OpenMP threads spin for each other (measured: a 4-iteration digits reference
+# took 0.9-1.5 CPU-s at 2 threads, 0.03 at 1), and results are bit for bit the
+# same (measured at 1, 2 and 4 threads: tests/stable_settings.py). Ray workers
+# set their own (buckets: ChorusBucket's thread count).
+torch.set_num_threads(1)
 
 _SHARED: dict[str, str | None] = {"gcs_address": None}
 FREE_WAIT_S = 30.0
