@@ -167,8 +167,7 @@ class Bucket:
         # counts: it costs as much as a live one); its members trained are
         # fewer where rows ran masked.
         self.last_rows = 0
-        self.last_route: str | None = None  # the route the last iteration took ("eager+vmap": its groups differed)
-        self._last_routes: set[str] = set()
+        self._last_routes: set[str] = set()  # the routes the last iteration's groups took
         self.max_group: int | None = None
         self.oom_recoveries = 0
 
@@ -545,10 +544,15 @@ class Bucket:
         self.oom_recoveries += 1
         return None, error
 
+    @property
+    def last_route(self) -> str | None:
+        """The route the last iteration took (``"eager+vmap"``: its groups
+        differed), or ``None`` before the first."""
+        return "+".join(sorted(self._last_routes)) or None
+
     def _ran(self, route: str, rows: int) -> None:
         self.last_rows += rows
         self._last_routes.add(route)
-        self.last_route = "+".join(sorted(self._last_routes))
 
     def _route_for(self, group: list[int]) -> str:
         """The route ``group`` trains on this time: the bucket's, except that a

@@ -85,6 +85,17 @@ class PairDataset(Dataset):
         return self.x[i], self.y[i]
 
 
+def tiny_mlp(config: dict) -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+
+
+def tiny_task() -> ct.Task:
+    """64 random rows of 4 features, 3 classes: member states small enough to read."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
+    return ct.Task(tiny_mlp, ((x, y), (x[:16], y[:16])), optimizer="sgd", batch_size=16, iteration_steps=2)
+
+
 def mlp_task(**kwargs) -> ct.Task:
     kwargs.setdefault("batch_size", 64)
     return ct.Task(mlp, digits(), **kwargs)

@@ -20,15 +20,8 @@ import chorus_tune as ct
 from chorus_tune.tune.trial import state_io
 from chorus_tune.tune.trial.checkpoint import WEIGHTS_FILE, load_model, load_weights, write_weights
 
-
-def mlp(config):
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-
-
-def _task():
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
-    return ct.Task(mlp, ((x, y), (x[:16], y[:16])), optimizer="sgd", batch_size=16, iteration_steps=2)
+from models import tiny_mlp as mlp
+from models import tiny_task as _task
 
 
 @pytest.fixture(scope="module")

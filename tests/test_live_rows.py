@@ -15,15 +15,15 @@ import torch
 import chorus_tune as ct
 from chorus_tune import reference
 
-from models import cnn, digits, mlp, params_close
+import models
+from models import cnn, digits, params_close
 
 RTOL = 1e-5
 ROUTES = ["vmap", "eager"]
 
 
-def mlp_task(**kwargs) -> ct.Task:
-    kwargs.setdefault("iteration_steps", 5)
-    return ct.Task(mlp, digits(), batch_size=32, **kwargs)
+def mlp_task() -> ct.Task:
+    return models.mlp_task(batch_size=32, iteration_steps=5)
 
 
 def cnn_task() -> ct.Task:
@@ -32,6 +32,14 @@ def cnn_task() -> ct.Task:
 
 def configs(n: int) -> list[dict]:
     return [dict(lr=0.01 * (i + 1), momentum=0.9, weight_decay=1e-4 * i, seed=i) for i in range(n)]
+
+
+def filled(task: ct.Task, capacity: int, members: list[dict], route: str) -> ct.Bucket:
+    """A bucket of ``capacity`` slots holding ``members``, in that order."""
+    bucket = ct.Bucket(task, capacity, route=route)
+    for config in members:
+        bucket.add(config)
+    return bucket
 
 
 def rows(bucket: ct.Bucket, slot: int) -> list[torch.Tensor]:
@@ -55,9 +63,7 @@ def assert_follows_reference(task, bucket, slot, config, history):
 
 @pytest.mark.parametrize("route", ROUTES)
 def test_an_iteration_of_few_live_members_computes_their_rows_only(route):
-    bucket = ct.Bucket(mlp_task(), 8, route=route)
-    for config in configs(8):
-        bucket.add(config)
+    bucket = filled(mlp_task(), 8, configs(8), route)
     for slot in range(2, 8):
         bucket.retire(slot)
     bucket.run_iteration()
@@ -65,9 +71,7 @@ def test_an_iteration_of_few_live_members_computes_their_rows_only(route):
 
 
 def test_a_full_stack_iteration_counts_every_row():
-    bucket = ct.Bucket(mlp_task(), 4, route="vmap")
-    for config in configs(4):
-        bucket.add(config)
+    bucket = filled(mlp_task(), 4, configs(4), "vmap")
     bucket.run_iteration()
     assert bucket.last_rows == 4
 
@@ -113,9 +117,7 @@ def test_members_trained_in_a_chosen_subset_follow_their_references(route, make_
 @pytest.mark.parametrize("route", ROUTES)
 @pytest.mark.parametrize("make_task", [mlp_task, cnn_task], ids=["mlp", "cnn_batchnorm"])
 def test_rows_outside_the_gathered_group_stay_bit_for_bit_frozen(route, make_task):
-    bucket = ct.Bucket(make_task(), 4, route=route)
-    for config in configs(4):
-        bucket.add(config)
+    bucket = filled(make_task(), 4, configs(4), route)
     bucket.run_iteration()
     bucket.retire(3)
     waiting, retired = rows(bucket, 1), rows(bucket, 3)
@@ -129,9 +131,7 @@ def test_rows_outside_the_gathered_group_stay_bit_for_bit_frozen(route, make_tas
 def test_a_lone_member_of_an_auto_bucket_trains_on_the_eager_route():
     task = mlp_task()
     chosen = configs(4)
-    bucket = ct.Bucket(task, 4, route="auto")
-    for config in chosen:
-        bucket.add(config)
+    bucket = filled(task, 4, chosen, "auto")
     bucket.run_iteration()
     fused = bucket.route
     assert fused in ("vmap", "eager")
@@ -158,9 +158,7 @@ def test_an_iteration_that_raises_leaves_every_member_where_it_was(monkeypatch):
     # of the culprit leaves its mates on their references).
     task = mlp_task()
     chosen = configs(3)
-    bucket = ct.Bucket(task, 4, route="vmap")
-    for config in chosen:
-        bucket.add(config)
+    bucket = filled(task, 4, chosen, "vmap")
     bucket.run_iteration()
     before = {k: (rows(bucket, k), bucket.members[k].order.state_dict()) for k in range(3)}
     real_step = ct.Bucket._train_step

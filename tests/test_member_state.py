@@ -2,21 +2,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from torch import nn
 
 import chorus_tune as ct
 from chorus_tune.member_state import MEMBER_STATE_KEYS, check_member_state
 
-
-def mlp(config):
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
-
-
-def task():
-    g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(64, 4, generator=g), torch.randint(0, 3, (64,), generator=g)
-    return ct.Task(mlp, ((x, y), (x[:16], y[:16])), optimizer="sgd", batch_size=16, iteration_steps=2)
+from models import tiny_mlp as mlp
+from models import tiny_task as task
 
 
 @pytest.fixture(scope="module")

@@ -569,11 +569,11 @@ class ChorusBucket:
         steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
         self._steps_seen = self.core.fused_steps
         samples = steps * batch * trained
-        self.metrics.iteration(steps, samples, seconds, self.core.last_route or self.core.route)
+        route = self.core.last_route or self.core.route  # the iteration's own (a lone member's eager)
+        self.metrics.iteration(steps, samples, seconds, route)
         self.metrics.members(self.live, self.core.capacity)
         self.metrics.wasted(self.book.wasted)
-        logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, rows,
-                    self.core.last_route or self.core.route,
+        logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, rows, route,
                     seconds, 1000 * seconds / steps if steps else 0.0, samples / seconds if seconds > 0 else 0.0,
                     self.book.wasted)
 
