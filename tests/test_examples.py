@@ -1,5 +1,5 @@
 """Every example runs, in its fast mode, as a user would start it: the quickstart
-(``make demo``) and the four others, each a Tune driver of its own joining the
+(``make demo``) and the five others, each a Tune driver of its own joining the
 suite's Ray (conftest.py), and the Ray-free core demo."""
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ FAST_EXAMPLES = {  # script: what its output must say
     "pbt.py": "load_model -> Sequential",
     "cnn_batchnorm.py": "load_model -> DigitsCNN, eval mode: True",
     "regression_mae.py": "best val_mae",
+    "pytorch_tutorial.py": "load_model -> Net; best trial test set accuracy",
 }
 # Why two at a time: one script leaves a core of this 2-core machine idle for
 # much of its run (its driver imports ray.tune and torch on one core, its
