@@ -254,7 +254,13 @@ def sample_configs(param_space: dict, n: int, random_state: int) -> list[dict]:
 
 
 def make_sweep(workload: str, trials: int) -> Sweep:
-    """The grid of :func:`sweep`, or a workload's own random space (``workloads.SPACES``)."""
+    """The grid of :func:`sweep`, a workload's own grid (``workloads.GRIDS``: one pass is
+    the sweep, ``trials`` aside), or its own random space (``workloads.SPACES``)."""
+    if workload in workloads.GRIDS:
+        space = workloads.GRIDS[workload]()
+        from chorus_tune.tune.search.search import grid_size
+
+        return Sweep(space, sample_configs(space, grid_size(space), 0), 1)
     if workload in workloads.SPACES:
         space = workloads.SPACES[workload]()
         return Sweep(space, sample_configs(space, trials, 0), trials, random_state=0)

@@ -99,12 +99,31 @@ WORKLOADS = {
     "synth-mixed": (mixed_mlp, synthetic_classification),
     # Issue 39's FIFO row: a custom nn.Module with two hidden layers of 64.
     "synth-mlp2h": (lambda: two_hidden_mlp, synthetic_classification),
+    # Issue 41's FIFO width sweep: the same module at 4 widths (GRIDS below).
+    "synth-widths": (lambda: two_hidden_mlp, synthetic_classification),
 }
 
 # Workloads with a random search space of their own (name: () -> Tune param_space);
 # the others sweep vs_tune.sweep()'s grid of learning rates x weight decays.
 SPACES = {
     "synth-mixed": mixed_space,
+    "tutorial-cnn": lambda: tutorial_space(),
+}
+
+
+def width_grid() -> dict:
+    """Issue 41's FIFO width sweep, as a Tune user writes a grid: 4 hidden widths from 32
+    to 256 x 2 learning rates x 4 weight decays = 32 trials (SGD, momentum 0.9, seed 0)."""
+    from ray import tune
+
+    return {"width": tune.grid_search([32, 64, 128, 256]), "lr": tune.grid_search([0.01, 0.1]),
+            "weight_decay": tune.grid_search([0.0, 1e-4, 1e-3, 1e-2]), "momentum": 0.9, "seed": 0}
+
+
+# Workloads whose sweep is a grid of their own (name: () -> Tune param_space with
+# grid_search axes): one pass over it is the sweep, whatever --trials says.
+GRIDS = {
+    "synth-widths": width_grid,
 }
 
 
@@ -206,9 +225,45 @@ def tabular(n_train: int = 50_000, n_val: int = 10_000, features: int = 64, clas
     return load
 
 
+class TutorialNet(nn.Module):
+    """The model of PyTorch's tutorial "Hyperparameter tuning with Ray Tune", as it
+    writes it: two conv layers, then hidden layers of ``l1`` and ``l2`` units."""
+
+    def __init__(self, l1: int = 120, l2: int = 84):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 6, 5)
+        self.pool = nn.MaxPool2d(2, 2)
+        self.conv2 = nn.Conv2d(6, 16, 5)
+        self.fc1 = nn.Linear(16 * 5 * 5, l1)
+        self.fc2 = nn.Linear(l1, l2)
+        self.fc3 = nn.Linear(l2, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pool(torch.relu(self.conv1(x)))
+        x = self.pool(torch.relu(self.conv2(x)))
+        x = torch.flatten(x, 1)
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x)))))
+
+
+def tutorial_net(config: dict) -> nn.Module:
+    return TutorialNet(int(config["l1"]), int(config["l2"]))
+
+
+def tutorial_space() -> dict:
+    """The tutorial's search space: l1, l2 powers of two from 4 to 256, lr log-uniform,
+    batch_size 2, 4, 8 or 16 (SGD, momentum 0.9 as the tutorial's; seed 0)."""
+    from ray import tune
+
+    return {"l1": tune.choice([2 ** i for i in range(2, 9)]), "l2": tune.choice([2 ** i for i in range(2, 9)]),
+            "lr": tune.loguniform(1e-4, 1e-1), "batch_size": tune.choice([2, 4, 8, 16]),
+            "momentum": 0.9, "seed": 0}
+
+
 # name: (model factory, data factory taking (n_train, n_val)), defaults 50k/10k.
 SIZED = {
     "cifar-cnn3": (cifar_cnn3, cifar_gratings),
+    # Issue 41's tutorial-shaped sweep (SPACES); size it with --n-train/--n-val on a CPU.
+    "tutorial-cnn": (lambda: tutorial_net, cifar_gratings),
     "tab-mlp2": (mlp2, tabular),
 }
 WORKLOADS.update({name: (model, data()) for name, (model, data) in SIZED.items()})

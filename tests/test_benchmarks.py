@@ -158,6 +158,33 @@ def test_synth_mixed_draws_the_same_configs_as_tunes_default_generator():
     assert len({c["lr"] for c in vs_tune.make_sweep("tab-mlp2", 64).configs}) == 16
 
 
+def test_the_width_sweep_is_one_pass_of_its_grid_in_plain_tunes_order():
+    from ray.tune.experiment import Experiment
+    from ray.tune.search import BasicVariantGenerator
+
+    sw = vs_tune.make_sweep("synth-widths", 999)  # a grid: one pass, whatever --trials says
+    assert sw.num_samples == 1 and len(sw.configs) == 32
+    assert sorted({c["width"] for c in sw.configs}) == [32, 64, 128, 256]
+    gen = BasicVariantGenerator()  # plain Tune's side: its default generator, num_samples 1
+    gen.add_configurations([Experiment("x", lambda config: None, config=workloads.width_grid(), num_samples=1)])
+    drawn = [t.config for t in iter(gen.next_trial, None)]
+    assert drawn == sw.configs  # the same trials, in the order ChorusSearch seats them
+    model, _ = workloads.workload("synth-widths")
+    assert model(sw.configs[-1]).fc2.in_features == sw.configs[-1]["width"]
+
+
+def test_the_tutorial_space_builds_the_tutorials_net_at_its_widths():
+    import torch
+
+    sw = vs_tune.make_sweep("tutorial-cnn", 16)
+    assert sw.random_state == 0 and len(sw.configs) == 16
+    assert {c["batch_size"] for c in sw.configs} <= {2, 4, 8, 16}
+    model, _ = workloads.workload("tutorial-cnn", n_train=8, n_val=8)
+    net = model({"l1": 32, "l2": 8})
+    assert (net.fc1.out_features, net.fc2.out_features) == (32, 8)
+    assert net(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+
+
 def test_synth_mixed_builds_its_width_and_dropout_from_the_config():
     import torch
     from torch import nn
