@@ -25,7 +25,7 @@ from .stack import MemberStack, StructuralKey, describe_split, mean_loss, module
 from .task import Task, TensorSplit
 from .task_metrics import MetricError, compute_metric
 from .width_rule import DEFAULT_RULE, WidthRule
-from .widths import Cost, Profile, padding_family, shapes_of, widen, widest
+from .widths import Cost, Profile, band_of, describe_widths, padding_family, shapes_of, widen, widest
 
 __all__ = ["Bucket", "MemberFailure", "MemberMetricError", "MemberOutOfMemory", "ROUTES", "RouteReason",
            "STATE_FORMAT"]
@@ -349,6 +349,7 @@ class Bucket:
             self._shared = SharedBatches(train, self.task.batch_size_for(config), self.task.data_seed)
         self.stack = MemberStack(template, self.capacity, self.device)
         self._batch_size = self.task.batch_size_for(config)
+        self._band = None if self.width_rule is None else band_of(key, self.width_rule, self.device.type)
         by_identity = {id(t): n for n, t in (*template.named_parameters(), *template.named_buffers())}
         entries = template.state_dict(keep_vars=True)
         # None: the state_dict holds more than tensors of the stack (extra state):
@@ -366,16 +367,15 @@ class Bucket:
         where = f"config {config} cannot share this bucket ({self.model_name})"
         if self.width_rule is None:
             raise ValueError(f"{where}: its widths differ and this bucket does not pad (width_rule=None)")
-        own = shapes_of(key)
-        shapes = widest([self.stack.shapes, own])
+        band = band_of(key, self.width_rule, self.device.type)
+        if band != self._band:
+            rule = self.width_rule
+            raise ValueError(f"{where}: its widths {describe_widths(key)} fall in the width band "
+                             f"{rule.describe(band)}, this bucket's in {rule.describe(self._band)}; members pad "
+                             "only within one band (chorus_tune/width_rule.py)")
+        shapes = widest([self.stack.shapes, shapes_of(key)])
         growing = shapes != self.stack.shapes
         live = self.live_slots
-        costs = [self._cost(self.stack.own[k]) for k in live] + [self._cost(own)]
-        padded = self._cost(shapes)
-        verdict = self.width_rule.judge([c.measure for c in costs], padded.measure, self.device.type,
-                                        self._batch_size, self.capacity)
-        if not verdict.shares:
-            raise ValueError(f"{where}: {verdict.reason} (chorus_tune/width_rule.py)")
         if growing:
             self.task.check_capacity(self.capacity, widen(module, shapes), config, self.device)
         x, y = self._padding_batch()

@@ -1,23 +1,27 @@
-"""Which widths share a padded stack: a stated rule on what padding costs (docs/design.md D9).
+"""Which widths share a padded stack: a stated rule (docs/design.md D9).
 
 Padding spends compute on zeros: a member of width 32 in a stack padded to 256
-runs (and pays for) the 256-wide step. The rule: a member shares a padded
-stack only while the padded model costs at most ``factor`` times its own, for
-every member of the stack (the widest shapes are each tensor's largest over
-the members, so a newcomer can raise every member's price). The cost is the
-estimated multiply-adds per sample of the model's Linear, Conv and Embedding
-layers (``widths.Cost``), or its parameter count where its forward could not
-be profiled.
+runs (and pays for) the 256-wide step. The rule puts each member in a
+**band**, a pure function of its own widths, and members share a padded
+stack only within one band:
 
-Why 4 on a CPU: a fused step there is compute-bound, so its time grows with
-the padded cost; a member that costs 4x what it would alone, fused with
-members that would otherwise each run alone (one process, one step each),
-still comes out ahead, and neighbouring widths of a doubling sweep (32 and
-64: 4x for a hidden-to-hidden layer, 2x for the others) share. On a GPU a
-small model's step is bound by kernel launches, not arithmetic: until the
-padded step's work (members x batch x padded multiply-adds) reaches
-``launch_bound_macs``, padding costs nearly nothing and the factor is
-``launch_bound_factor``. Both numbers are stated, not measured here: the
+- every width (each feature size of a Linear, Conv, BatchNorm or Embedding
+  layer, chorus_tune/widths.py) falls in a bracket ``(r^(b-1), r^b]``; the
+  band is the tuple of brackets. Within a band no width pads by ``r`` times
+  or more, so no tensor pads by ``r^2`` or more (a weight has at most two
+  widths), and neither does the model's cost: for a doubling sweep of an MLP
+  at ``r = 4``, 32 pads to 64 (4x its hidden-to-hidden layer, 2x the others);
+- ``r`` is ``ratio`` (4) on a CPU, where a fused step is compute-bound and its
+  time grows with the padded cost. On a GPU a small model's step is bound by
+  kernel launches, not arithmetic, and padding costs nearly nothing: while a
+  member's padded step (``batch x its parameters x r^2``, for ``r`` the
+  ``launch_bound_ratio``) stays within ``launch_bound_work`` multiply-adds,
+  ``r`` is ``launch_bound_ratio`` (16).
+
+Why a band and not a judgment of each stack's members: the pool groups
+trials by a key computed from each config alone (chorus_tune/tune/execution/
+grouping.py), and every member the pool sends a bucket must be one the bucket
+takes; a band is such a key. The numbers are stated, not measured here; the
 rule is one class, so a measured cost model can replace it.
 
 Torch-free: it reads numbers.
@@ -27,59 +31,51 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+Band = tuple[float, tuple[int, ...]]
 
-@dataclass(frozen=True)
-class Verdict:
-    """The rule's answer for one stack: ``shares`` and, if not, ``reason``;
-    ``factors`` is each member's padded cost over its own, in the order given."""
 
-    shares: bool
-    factors: tuple[float, ...]
-    limit: float
-    reason: str = ""
+def bracket(width: int, ratio: float) -> int:
+    """The ``b`` with ``ratio^(b-1) < width <= ratio^b`` (integer arithmetic
+    for an integer ratio: a float logarithm put 64 above 4^3)."""
+    b, top = 0, 1
+    while top < width:
+        top *= ratio
+        b += 1
+    return b
 
 
 @dataclass(frozen=True)
 class WidthRule:
-    """Members share a padded stack while ``padded / own <= limit`` for each.
+    """Members share a padded stack when their :meth:`band` is equal."""
 
-    ``factor``: the limit on a CPU, and on a GPU for a large step.
-    ``launch_bound_factor``: the limit on a GPU while the padded step's work
-    (``members * batch * padded``) is at most ``launch_bound_macs``.
-    """
-
-    factor: float = 4.0
-    launch_bound_factor: float = 16.0
-    launch_bound_macs: float = 2.0 ** 27
+    ratio: float = 4
+    launch_bound_ratio: float = 16
+    launch_bound_work: float = 2 ** 24
 
     def __post_init__(self) -> None:
-        for name in ("factor", "launch_bound_factor", "launch_bound_macs"):
+        for name in ("ratio", "launch_bound_ratio", "launch_bound_work"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 1:
-                raise ValueError(f"WidthRule.{name} must be a number >= 1; got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 1:
+                raise ValueError(f"WidthRule.{name} must be a number > 1; got {value!r}")
 
-    def limit(self, device_type: str, members: int, batch: int, padded: float) -> float:
-        """The largest padded/own factor allowed for a stack of ``members`` at
-        ``batch`` whose padded model costs ``padded`` per sample."""
-        if device_type == "cuda" and members * batch * padded <= self.launch_bound_macs:
-            return max(self.factor, self.launch_bound_factor)
-        return self.factor
+    def ratio_for(self, params: int, device_type: str, batch: int) -> float:
+        """The bracket ratio for a member of ``params`` parameters at ``batch``."""
+        r = self.launch_bound_ratio
+        if device_type == "cuda" and batch * params * r * r <= self.launch_bound_work:
+            return r
+        return self.ratio
 
-    def judge(self, own: Sequence[float], padded: float, device_type: str, batch: int,
-              capacity: int | None = None) -> Verdict:
-        """Whether members of costs ``own`` share a stack padded to ``padded``.
-        ``capacity``: the stack's slots (the step runs them all), default the
-        members given."""
-        if not own:
-            return Verdict(True, (), self.factor)
-        factors = tuple(padded / max(c, 1e-12) for c in own)
-        limit = self.limit(device_type, capacity if capacity is not None else len(own), batch, padded)
-        worst = max(range(len(own)), key=factors.__getitem__)
-        if factors[worst] <= limit:
-            return Verdict(True, factors, limit)
-        return Verdict(False, factors, limit,
-                       f"padded to the widest shapes, a member costing {own[worst]:.4g} would cost {padded:.4g} "
-                       f"({factors[worst]:.3g}x its own; the limit on {device_type} is {limit:.3g}x)")
+    def band(self, widths: Sequence[int], params: int, device_type: str, batch: int) -> Band:
+        """The band of a member with these ``widths`` (its width dimensions'
+        sizes, in its structure's order) and ``params`` parameters."""
+        r = self.ratio_for(params, device_type, batch)
+        return r, tuple(bracket(int(w), r) for w in widths)
+
+    def describe(self, band: Band) -> str:
+        """A band in words: each distinct bracket as ``(low, high]``."""
+        r, brackets = band
+        spans = sorted(set(brackets))
+        return f"ratio {r:g}: " + ", ".join(f"({r ** (b - 1):g}, {r ** b:g}]" if b else "(0, 1]" for b in spans)
 
 
 # The rule a bucket follows unless told otherwise.

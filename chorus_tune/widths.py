@@ -254,3 +254,27 @@ class Profile:
                 # A lookup reads one row of embedding_dim; a Linear or Conv multiplies its whole weight.
                 macs += where * (weight[1] if lookup else math.prod(weight))
         return Cost(params, macs)
+
+
+# ----- the sharing rule's inputs (chorus_tune/width_rule.py) ------------------------------------
+def width_values(key) -> tuple[int, ...]:
+    """The sizes of every width dimension of ``key``, in its order: what the
+    sharing rule brackets."""
+    dims = width_dims(key)
+    return tuple(shape[i] for n, shape, _ in (*key.parameters, *key.buffers) for i in dims.get(n, ()))
+
+
+def parameter_count(key) -> int:
+    """The number of parameters of a member of ``key``."""
+    return sum(math.prod(shape) for _, shape, _ in key.parameters)
+
+
+def band_of(key, rule, device_type: str):
+    """``key``'s band under ``rule`` (a ``width_rule.WidthRule``) on ``device_type``."""
+    return rule.band(width_values(key), parameter_count(key), device_type, key.batch_size)
+
+
+def describe_widths(key) -> str:
+    """``key``'s distinct widths, in words (for the rule's refusals)."""
+    values = sorted(set(width_values(key)))
+    return "{" + ", ".join(str(v) for v in values) + "}"

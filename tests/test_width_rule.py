@@ -7,7 +7,7 @@ from torch import nn
 
 import chorus_tune as ct
 from chorus_tune.stack import describe_split, structural_key
-from chorus_tune.width_rule import WidthRule
+from chorus_tune.width_rule import WidthRule, bracket
 from chorus_tune.widths import Profile, padding_family, shapes_of, widest
 
 from models import digits
@@ -17,30 +17,34 @@ def _key(factory, config=None):
     return structural_key(ct.Task(factory, digits(), batch_size=32), config or {})
 
 
-def test_members_within_the_factor_share_on_a_cpu():
-    verdict = WidthRule().judge([100.0, 400.0], padded=400.0, device_type="cpu", batch=32)
-    assert verdict.shares and verdict.factors == (4.0, 1.0)
+def test_a_bracket_holds_widths_up_to_a_power_of_the_ratio():
+    assert [bracket(w, 4) for w in (1, 2, 4, 5, 16, 17, 32, 64, 65, 256)] == [0, 1, 1, 2, 2, 3, 3, 3, 4, 4]
 
 
-def test_a_member_past_the_factor_on_a_cpu_does_not_share_and_the_reason_names_its_price():
-    verdict = WidthRule().judge([100.0, 500.0], padded=500.0, device_type="cpu", batch=32)
-    assert not verdict.shares
-    assert "5x its own; the limit on cpu is 4x" in verdict.reason
+def test_a_doubling_sweep_pairs_neighbours_on_a_cpu():
+    rule = WidthRule()
+    bands = {w: rule.band([64, w, w, w, w, 10], params=10 ** 6, device_type="cpu", batch=32)
+             for w in (32, 64, 128, 256)}
+    assert bands[32] == bands[64] != bands[128] == bands[256]
 
 
-def test_a_launch_bound_step_on_a_gpu_allows_the_larger_factor():
-    rule = WidthRule(factor=4, launch_bound_factor=16, launch_bound_macs=1e6)
-    assert rule.judge([100.0, 1000.0], padded=1000.0, device_type="cuda", batch=32).shares  # 2*32*1000 <= 1e6
-    assert not rule.judge([100.0, 1000.0], padded=1000.0, device_type="cpu", batch=32).shares
+def test_a_small_model_on_a_gpu_takes_the_launch_bound_ratio():
+    rule = WidthRule(ratio=4, launch_bound_ratio=16, launch_bound_work=2 ** 24)
+    # 32 rows x 1000 parameters x 16^2 = 8.2e6 multiply-adds: within the launch-bound work.
+    assert rule.ratio_for(1000, "cuda", 32) == 16
+    assert rule.band([32], 1000, "cuda", 32) == rule.band([200], 1000, "cuda", 32)
+    assert rule.band([32], 1000, "cpu", 32) != rule.band([200], 1000, "cpu", 32)
 
 
-def test_a_large_step_on_a_gpu_keeps_the_cpu_factor():
-    rule = WidthRule(factor=4, launch_bound_factor=16, launch_bound_macs=1e6)
-    # 16 slots x 64 rows x 1e4 multiply-adds is past the launch-bound size: compute-bound again.
-    assert not rule.judge([1e3, 1e4], padded=1e4, device_type="cuda", batch=64, capacity=16).shares
+def test_a_large_model_on_a_gpu_keeps_the_cpu_ratio():
+    assert WidthRule().ratio_for(10 ** 6, "cuda", 32) == 4
 
 
-@pytest.mark.parametrize("field, value", [("factor", 0.5), ("launch_bound_factor", True), ("factor", "4")])
+def test_a_band_is_said_as_its_brackets():
+    assert WidthRule().describe((4, (3, 3, 2))) == "ratio 4: (4, 16], (16, 64]"
+
+
+@pytest.mark.parametrize("field, value", [("ratio", 1), ("launch_bound_ratio", True), ("ratio", "4")])
 def test_a_bad_rule_is_refused(field, value):
     with pytest.raises(ValueError, match=field):
         WidthRule(**{field: value})
