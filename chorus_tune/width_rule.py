@@ -35,8 +35,9 @@ Band = tuple[float, tuple[int, ...]]
 
 
 def bracket(width: int, ratio: float) -> int:
-    """The ``b`` with ``ratio^(b-1) < width <= ratio^b`` (integer arithmetic
-    for an integer ratio: a float logarithm put 64 above 4^3)."""
+    """The ``b`` with ``ratio^(b-1) < width <= ratio^b``, by multiplication:
+    exact for an integer ratio, where ``ceil(log(w) / log(r))`` is not
+    (it puts 8^7 in bracket 8, measured in Python's floats)."""
     b, top = 0, 1
     while top < width:
         top *= ratio

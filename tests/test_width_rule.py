@@ -19,6 +19,7 @@ def _key(factory, config=None):
 
 def test_a_bracket_holds_widths_up_to_a_power_of_the_ratio():
     assert [bracket(w, 4) for w in (1, 2, 4, 5, 16, 17, 32, 64, 65, 256)] == [0, 1, 1, 2, 2, 3, 3, 3, 4, 4]
+    assert bracket(8 ** 7, 8) == 7  # the top of a bracket is in it (a float logarithm says 8)
 
 
 def test_a_doubling_sweep_pairs_neighbours_on_a_cpu():
