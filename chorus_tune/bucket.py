@@ -24,7 +24,7 @@ from .seeds import as_seed
 from .stack import MemberStack, StructuralKey, describe_split, mean_loss, module_key, module_tensors
 from .task import Task, TensorSplit
 from .task_metrics import MetricError, compute_metric
-from .width_rule import DEFAULT_RULE, WidthRule
+from .width_rule import DEFAULT_RULE, WidthRule, describe_band
 from .widths import Cost, Profile, band_of, describe_widths, padding_family, shapes_of, widen, widest
 
 __all__ = ["Bucket", "MemberFailure", "MemberMetricError", "MemberOutOfMemory", "ROUTES", "RouteReason",
@@ -149,20 +149,32 @@ class Bucket:
     Widths (docs/design.md D9, chorus_tune/widths.py): members whose models
     differ only in the widths of Linear, Conv, BatchNorm and Embedding layers
     share the bucket padded to the widest, each training exactly as its own
-    model, while ``width_rule`` (chorus_tune/width_rule.py) says the padding
-    is worth it; ``width_rule=None``: members of one width only. ``key`` is
-    the structure every member shares (widths left out: the padded family).
+    model, within one band of ``width_rule`` (chorus_tune/width_rule.py,
+    judged for ``width_device``, default the bucket's device type);
+    ``width_rule=None``: members of one width only. A member whose padded
+    forward or gradient disagrees with its own model's (the padding check,
+    chorus_tune/padding.py) is refused (``padding_mismatch="refuse"``), or
+    taken and the bucket runs every member on the eager route, each its own
+    model (``"eager"``: for a caller that cannot place it elsewhere; only
+    under ``route="auto"``). ``key`` is what every member shares
+    (``stack.sharing_key``: widths left out, the band in their place).
     """
 
     def __init__(self, task: Task, capacity: int, device: str | torch.device = "cpu", route: str = "auto",
-                 width_rule: WidthRule | None = DEFAULT_RULE):
+                 width_rule: WidthRule | None = DEFAULT_RULE, width_device: str | None = None,
+                 padding_mismatch: str = "refuse"):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive integer (the number of slots); got {capacity!r}")
         if width_rule is not None and not isinstance(width_rule, WidthRule):
             raise TypeError(f"width_rule must be a WidthRule or None; got {type(width_rule).__name__}")
         self.routing = RouteChoice(route)  # a ValueError for an unknown route
         self.task, self.capacity, self.device = task, capacity, torch.device(device)
-        self.width_rule = width_rule
+        if padding_mismatch not in ("refuse", "eager"):
+            raise ValueError(f"padding_mismatch must be 'refuse' or 'eager'; got {padding_mismatch!r}")
+        self.width_rule, self.padding_mismatch = width_rule, padding_mismatch
+        # The device type the width rule judges for: this bucket's, unless the
+        # caller grouped members for another (the pool's sharing key).
+        self.width_device = width_device or self.device.type
         self._profile: Profile | None = None  # where the model computes, for pricing padding
         self.key: StructuralKey | None = None
         self.model_name: str | None = None
@@ -308,7 +320,7 @@ class Bucket:
             check_state_fits(state, family, module)
             module.load_state_dict(state["model"])
         key = module_key(self.task, config, module)  # the model is built already: no second build
-        if self.key is not None and padding_family(key) != self.key:
+        if self.key is not None and padding_family(key) != self.key._replace(band=()):
             raise ValueError(
                 f"config {config} does not share this bucket's structure ({self.model_name}): "
                 f"{describe_split(self.key, key)}"
@@ -341,7 +353,8 @@ class Bucket:
         return slot
 
     def _materialise(self, template: nn.Module, key: StructuralKey, config: dict) -> None:
-        self.key, self.model_name = padding_family(key), type(template).__name__
+        band = () if self.width_rule is None else band_of(key, self.width_rule, self.width_device)
+        self.key, self.model_name = padding_family(key)._replace(band=band), type(template).__name__
         train, val = self.task.load_data()
         self._train = train.to(self.device) if isinstance(train, TensorSplit) else train
         self._val = val.to(self.device) if isinstance(val, TensorSplit) else val
@@ -349,7 +362,6 @@ class Bucket:
             self._shared = SharedBatches(train, self.task.batch_size_for(config), self.task.data_seed)
         self.stack = MemberStack(template, self.capacity, self.device)
         self._batch_size = self.task.batch_size_for(config)
-        self._band = None if self.width_rule is None else band_of(key, self.width_rule, self.device.type)
         by_identity = {id(t): n for n, t in (*template.named_parameters(), *template.named_buffers())}
         entries = template.state_dict(keep_vars=True)
         # None: the state_dict holds more than tensors of the stack (extra state):
@@ -367,12 +379,11 @@ class Bucket:
         where = f"config {config} cannot share this bucket ({self.model_name})"
         if self.width_rule is None:
             raise ValueError(f"{where}: its widths differ and this bucket does not pad (width_rule=None)")
-        band = band_of(key, self.width_rule, self.device.type)
-        if band != self._band:
-            rule = self.width_rule
+        band = band_of(key, self.width_rule, self.width_device)
+        if band != self.key.band:
             raise ValueError(f"{where}: its widths {describe_widths(key)} fall in the width band "
-                             f"{rule.describe(band)}, this bucket's in {rule.describe(self._band)}; members pad "
-                             "only within one band (chorus_tune/width_rule.py)")
+                             f"{describe_band(band)}, this bucket's in {describe_band(self.key.band)}; members "
+                             "pad only within one band (chorus_tune/width_rule.py)")
         shapes = widest([self.stack.shapes, shapes_of(key)])
         growing = shapes != self.stack.shapes
         live = self.live_slots
@@ -382,15 +393,21 @@ class Bucket:
         params, buffers = module_tensors(module)
         problem = self._padding_problem(module, params, buffers, shapes, x, y)
         if problem is not None:
-            raise ValueError(f"{where} padded to its widths: {problem}; it needs a bucket of its own widths")
-        if growing:
+            problem = f"padded to its widths, {problem}"
+        elif growing:
             for k in live:  # every member here is padded anew: each checked against the wider template
                 own_params = {n: self.stack.own_row(n, k) for n in self.stack.params}
                 own_buffers = {n: self.stack.own_row(n, k) for n in self.stack.buffers}
                 problem = self._padding_problem(self.stack.skeletons[k], own_params, own_buffers, shapes, x, y)
                 if problem is not None:
-                    raise ValueError(f"{where}: widening the bucket to its widths would change the member in "
-                                     f"slot {k}: {problem}")
+                    problem = f"widening the bucket to its widths would change the member in slot {k}: {problem}"
+                    break
+        if problem is not None:
+            if self.padding_mismatch == "refuse" or self.routing.requested != "auto":
+                raise ValueError(f"{where}: {problem}; it needs a bucket of its own widths")
+            # Taken: the eager route runs each member's own model at its own widths, always correct.
+            self.routing.reject("vmap", "padding", problem)
+            self.routing.settle("eager", RouteReason.PADDING_DISAGREES)
         return widen(module, shapes) if growing else None
 
     def _padding_problem(self, own: nn.Module, params, buffers, shapes, x, y) -> str | None:

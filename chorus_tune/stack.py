@@ -38,6 +38,9 @@ class StructuralKey(NamedTuple):
     # Every submodule's type and settings, the per-member (lifted) ones left out
     # (chorus_tune/configuration.py): who may share the vmap template.
     configuration: ModuleConfiguration = ()
+    # A sharing key's width band (chorus_tune/width_rule.py; :func:`sharing_key`):
+    # () in a member's own key, whose shapes say its widths.
+    band: tuple = ()
 
 
 def describe_split(ours: StructuralKey, theirs: StructuralKey) -> str:
@@ -56,12 +59,21 @@ def describe_split(ours: StructuralKey, theirs: StructuralKey) -> str:
     if "parameters" in fields or "buffers" in fields:
         parts.append(f"their shapes differ in {', '.join(_unpaddable_widths(ours, theirs))}, which cannot pad "
                      f"(only the widths of {describe_paddable()} do)")
+    if "band" in fields and ours.band and theirs.band:
+        parts.append(f"their widths fall in different bands of the width rule ({_band_words(ours.band)} vs "
+                     f"{_band_words(theirs.band)}: chorus_tune/width_rule.py)")
     names = {"model_class": "model class", "batch_size": "batch size", "optimizer": "optimizer family",
              "loss": "loss", "data": "data"}
     others = [names[f] for f in fields if f in names]
     if others:
         parts.append("their " + ", ".join(others) + " differ")
     return "; ".join(parts)
+
+
+def _band_words(band: tuple) -> str:
+    from .width_rule import describe_band
+
+    return describe_band(band)
 
 
 def _unpaddable_widths(ours: StructuralKey, theirs: StructuralKey, limit: int = 3) -> list[str]:
@@ -87,6 +99,19 @@ def structural_key(task, config: dict) -> StructuralKey:
         # a real build gives the same shapes, or the factory's real error.
         module = task.build_model(config, seed=0)
     return module_key(task, config, module)
+
+
+def sharing_key(task, config: dict, rule=None, device_type: str = "cpu") -> StructuralKey:
+    """Who may share a bucket, widths padding (docs/design.md D9): the config's
+    structural key with its widths left out (``widths.padding_family``) and its
+    width band under ``rule`` (default ``width_rule.DEFAULT_RULE``) on
+    ``device_type`` in their place. Members of equal sharing keys share a
+    padded bucket; what the pool groups trials by."""
+    from .width_rule import DEFAULT_RULE
+    from .widths import band_of
+
+    key = structural_key(task, config)
+    return padding_family(key)._replace(band=band_of(key, rule or DEFAULT_RULE, device_type))
 
 
 def module_key(task, config: dict, module: nn.Module) -> StructuralKey:

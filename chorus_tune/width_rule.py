@@ -72,11 +72,12 @@ class WidthRule:
         r = self.ratio_for(params, device_type, batch)
         return r, tuple(bracket(int(w), r) for w in widths)
 
-    def describe(self, band: Band) -> str:
-        """A band in words: each distinct bracket as ``(low, high]``."""
-        r, brackets = band
-        spans = sorted(set(brackets))
-        return f"ratio {r:g}: " + ", ".join(f"({r ** (b - 1):g}, {r ** b:g}]" if b else "(0, 1]" for b in spans)
+
+def describe_band(band: Band) -> str:
+    """A band in words: its ratio and each distinct bracket as ``(low, high]``."""
+    r, brackets = band
+    spans = sorted(set(brackets))
+    return f"ratio {r:g}: " + ", ".join(f"({r ** (b - 1):g}, {r ** b:g}]" if b else "(0, 1]" for b in spans)
 
 
 # The rule a bucket follows unless told otherwise.

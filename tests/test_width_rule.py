@@ -7,7 +7,7 @@ from torch import nn
 
 import chorus_tune as ct
 from chorus_tune.stack import describe_split, structural_key
-from chorus_tune.width_rule import WidthRule, bracket
+from chorus_tune.width_rule import WidthRule, bracket, describe_band
 from chorus_tune.widths import Profile, padding_family, shapes_of, widest
 
 from models import digits
@@ -42,7 +42,7 @@ def test_a_large_model_on_a_gpu_keeps_the_cpu_ratio():
 
 
 def test_a_band_is_said_as_its_brackets():
-    assert WidthRule().describe((4, (3, 3, 2))) == "ratio 4: (4, 16], (16, 64]"
+    assert describe_band((4, (3, 3, 2))) == "ratio 4: (4, 16], (16, 64]"
 
 
 @pytest.mark.parametrize("field, value", [("ratio", 1), ("launch_bound_ratio", True), ("ratio", "4")])
@@ -115,3 +115,13 @@ def test_a_model_that_cannot_run_on_meta_is_priced_by_its_parameters():
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     cost = Profile.of(model, torch.zeros(4)).cost(shapes, shapes)
     assert cost.macs is None and cost.measure == 10
+
+
+def test_the_sharing_key_is_equal_within_a_band_and_the_split_between_bands_is_said():
+    from chorus_tune.stack import sharing_key
+
+    task = ct.Task(_mlp, digits(), batch_size=32)
+    assert sharing_key(task, {"h": 20}) == sharing_key(task, {"h": 64})
+    assert sharing_key(task, {"h": 20}) != sharing_key(task, {"h": 128})
+    words = describe_split(sharing_key(task, {"h": 20}), sharing_key(task, {"h": 128}))
+    assert words.startswith("their widths fall in different bands of the width rule (ratio 4:")

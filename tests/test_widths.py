@@ -296,3 +296,17 @@ def test_the_route_report_says_what_each_member_pays_for_its_padding():
     assert padding[narrow]["factor"] == pytest.approx((64 * 32 + 32 * 20 + 20 * 10) / (64 * 20 + 20 * 20 + 20 * 10),
                                                       rel=1e-3)
     assert "runs padded" in bucket.describe_padding(narrow)
+
+
+def test_a_bucket_that_cannot_place_a_mismatching_member_elsewhere_runs_every_member_eager_and_exact():
+    task = ct.Task(lambda c: Interleaved(c["channels"]), digits(), batch_size=32, iteration_steps=5)
+    bucket = ct.Bucket(task, capacity=2, padding_mismatch="eager")
+    configs = [dict(channels=5, lr=0.05, seed=1), dict(channels=8, lr=0.02, seed=2)]
+    slots = [bucket.add(c) for c in configs]
+    results = [bucket.run_iteration() for _ in range(2)]
+    assert bucket.route == "eager" and bucket.route_reason is RouteReason.PADDING_DISAGREES
+    assert "mixes a padded dimension" in bucket.route_report()["rejected"]["vmap"]["detail"]
+    for slot, config in zip(slots, configs):
+        history, model = reference.train(task, config, iterations=2)
+        assert [r[slot]["val_loss"] for r in results] == pytest.approx([h["val_loss"] for h in history], rel=RTOL)
+        params_close(bucket.export_model(slot), model, RTOL)
