@@ -24,7 +24,7 @@ from .seeds import as_seed
 from .stack import MemberStack, StructuralKey, describe_split, mean_loss, module_key, module_tensors
 from .task import Task, TensorSplit
 from .task_metrics import MetricError, compute_metric
-from .width_rule import DEFAULT_RULE, WidthRule, describe_band
+from .width_rule import DEFAULT_RULE, WidthRule, describe_band_difference
 from .widths import Cost, Profile, band_of, describe_widths, padding_family, shapes_of, widen, widest
 
 __all__ = ["Bucket", "MemberFailure", "MemberMetricError", "MemberOutOfMemory", "ROUTES", "RouteReason",
@@ -381,8 +381,8 @@ class Bucket:
             raise ValueError(f"{where}: its widths differ and this bucket does not pad (width_rule=None)")
         band = band_of(key, self.width_rule, self.width_device)
         if band != self.key.band:
-            raise ValueError(f"{where}: its widths {describe_widths(key)} fall in the width band "
-                             f"{describe_band(band)}, this bucket's in {describe_band(self.key.band)}; members "
+            raise ValueError(f"{where}: its widths {describe_widths(key)} fall in another band of the width "
+                             f"rule than this bucket's ({describe_band_difference(band, self.key.band)}); members "
                              "pad only within one band (chorus_tune/width_rule.py)")
         shapes = widest([self.stack.shapes, shapes_of(key)])
         growing = shapes != self.stack.shapes
@@ -403,11 +403,12 @@ class Bucket:
                     problem = f"widening the bucket to its widths would change the member in slot {k}: {problem}"
                     break
         if problem is not None:
-            if self.padding_mismatch == "refuse" or self.routing.requested != "auto":
+            if self.padding_mismatch == "refuse" or self.routing.requested in _STACK_ROUTES:
                 raise ValueError(f"{where}: {problem}; it needs a bucket of its own widths")
             # Taken: the eager route runs each member's own model at its own widths, always correct.
-            self.routing.reject("vmap", "padding", problem)
-            self.routing.settle("eager", RouteReason.PADDING_DISAGREES)
+            if self.routing.requested == "auto":
+                self.routing.reject("vmap", "padding", problem)
+                self.routing.settle("eager", RouteReason.PADDING_DISAGREES)
         return widen(module, shapes) if growing else None
 
     def _padding_problem(self, own: nn.Module, params, buffers, shapes, x, y) -> str | None:

@@ -60,20 +60,16 @@ def describe_split(ours: StructuralKey, theirs: StructuralKey) -> str:
         parts.append(f"their shapes differ in {', '.join(_unpaddable_widths(ours, theirs))}, which cannot pad "
                      f"(only the widths of {describe_paddable()} do)")
     if "band" in fields and ours.band and theirs.band:
-        parts.append(f"their widths fall in different bands of the width rule ({_band_words(ours.band)} vs "
-                     f"{_band_words(theirs.band)}: chorus_tune/width_rule.py)")
+        from .width_rule import describe_band_difference
+
+        parts.append(f"their widths fall in different bands of the width rule: "
+                     f"{describe_band_difference(ours.band, theirs.band)}")
     names = {"model_class": "model class", "batch_size": "batch size", "optimizer": "optimizer family",
              "loss": "loss", "data": "data"}
     others = [names[f] for f in fields if f in names]
     if others:
         parts.append("their " + ", ".join(others) + " differ")
     return "; ".join(parts)
-
-
-def _band_words(band: tuple) -> str:
-    from .width_rule import describe_band
-
-    return describe_band(band)
 
 
 def _unpaddable_widths(ours: StructuralKey, theirs: StructuralKey, limit: int = 3) -> list[str]:

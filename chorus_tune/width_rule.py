@@ -77,7 +77,23 @@ def describe_band(band: Band) -> str:
     """A band in words: its ratio and each distinct bracket as ``(low, high]``."""
     r, brackets = band
     spans = sorted(set(brackets))
-    return f"ratio {r:g}: " + ", ".join(f"({r ** (b - 1):g}, {r ** b:g}]" if b else "(0, 1]" for b in spans)
+    return f"ratio {r:g}: " + ", ".join(_span(b, r) for b in spans)
+
+
+def _span(b: int, r: float) -> str:
+    return f"({r ** (b - 1):g}, {r ** b:g}]" if b else "(0, 1]"
+
+
+def describe_band_difference(ours: Band, theirs: Band) -> str:
+    """Why two bands differ, in words: their ratios, or the first width that
+    falls in another bracket."""
+    (r, a), (r2, b) = ours, theirs
+    if r != r2:
+        return f"bracket ratios {r:g} vs {r2:g} (the wider one is for a launch-bound step on a GPU)"
+    for x, y in zip(a, b):
+        if x != y:
+            return f"a width in {_span(x, r)} vs one in {_span(y, r)} (brackets of ratio {r:g})"
+    return f"{len(a)} widths vs {len(b)}"
 
 
 # The rule a bucket follows unless told otherwise.

@@ -49,3 +49,12 @@ def test_tune_s_private_keys_are_ignored_and_a_config_that_cannot_build_is_count
     task = ct.Task(picky, digits())
     split = split_of(task, [{"l1": 16, "__trial_index__": 0}, {"l1": 16, "__trial_index__": 1}, {"l1": -1}])
     assert (split.trials, split.structures, split.unbuildable, split.splitting) == (3, 1, 1, ())
+
+
+def test_widths_within_one_band_do_not_split_and_a_band_apart_is_said():
+    within = split_of(TASK, [{"lr": 0.1, "l1": l1} for l1 in (20, 32, 48, 64)])
+    assert (within.structures, within.splitting) == (1, ())
+    apart = split_of(TASK, [{"lr": 0.1, "l1": l1} for l1 in (32, 64, 128, 256)])
+    assert (apart.structures, apart.sizes, apart.splitting) == (2, (2, 2), (("l1", 4),))
+    assert "their widths fall in different bands of the width rule: a width in (16, 64] vs one in (64, 256]" in (
+        apart.message())

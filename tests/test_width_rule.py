@@ -124,4 +124,5 @@ def test_the_sharing_key_is_equal_within_a_band_and_the_split_between_bands_is_s
     assert sharing_key(task, {"h": 20}) == sharing_key(task, {"h": 64})
     assert sharing_key(task, {"h": 20}) != sharing_key(task, {"h": 128})
     words = describe_split(sharing_key(task, {"h": 20}), sharing_key(task, {"h": 128}))
-    assert words.startswith("their widths fall in different bands of the width rule (ratio 4:")
+    assert words == ("their widths fall in different bands of the width rule: a width in (16, 64] vs one in "
+                     "(64, 256] (brackets of ratio 4)")

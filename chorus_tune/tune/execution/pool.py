@@ -35,7 +35,7 @@ from ..observe.actor_log import log_to_actor_stdout
 from .bucket_history import BucketHistory
 from .closing import Watches, compact_after_s, compaction_due, idle_close_s, stays_idle
 from .cluster import node_cpus, pool_scheduling_strategy
-from .grouping import GroupKey, split_from
+from .grouping import GroupKey, split_from, width_device
 from .leaving import Leaving
 from .members import Plan
 from .opening import actor_options, bucket_options
@@ -229,7 +229,11 @@ class ChorusPool:
             # Successive runs in one driver may size their buckets differently.
             self.placement.max_buckets = self._budget(options)
         task = self.tasks[task_id_]
-        skey = task.structural_key(config)  # raises the factory's own error for a bad config
+        from chorus_tune.stack import sharing_key
+
+        # Widths pad: trials of one width band share buckets (docs/design.md D9). Raises
+        # the factory's own error for a bad config.
+        skey = sharing_key(task, config, device_type=width_device(self._bucket_resources(options)))
         key = GroupKey(task_id_, options, self._model_name(task, config), skey)
         if key not in self.key_info:
             _log_split(key, split_from(key, self.key_info))
@@ -874,7 +878,7 @@ class ChorusPool:
         return None if name is None else (name, self.handles.get(name))
 
     async def free_slots(self, structural_key: Hashable) -> int:
-        """Free slots in open buckets whose structural key is ``structural_key``."""
+        """Free slots in open buckets whose sharing key (``chorus_tune.stack.sharing_key``) is ``structural_key``."""
         if self.placement is None:
             return 0
         return sum(r.free for r in self.placement.buckets.values() if r.key.structural_key == structural_key)
@@ -976,7 +980,8 @@ def close_idle_buckets(timeout_s: float = 60.0) -> list[str]:
 
 
 def free_slots(structural_key: Hashable) -> int:
-    """Free slots in this run's open buckets of ``structural_key`` (0 when no pool runs)."""
+    """Free slots in this run's open buckets of ``structural_key``, a sharing key
+    (``chorus_tune.stack.sharing_key``; 0 when no pool runs)."""
     if not ray.is_initialized():
         return 0
     pool = get_pool(create=False)
