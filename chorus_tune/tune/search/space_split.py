@@ -1,13 +1,18 @@
 """How a sweep's trials split into structures, in words (docs/design.md D9; Ray-free).
 
-Members share a bucket only when their structural keys are equal
-(``chorus_tune.stack.structural_key``): a config key that changes a parameter
-shape, the batch size or the optimizer family splits the sweep. A user who
+Members share a bucket only when their sharing keys are equal
+(``chorus_tune.stack.sharing_key``): a config key that changes a parameter
+shape other than a width that pads (docs/design.md D9), a width beyond the
+width rule's band, the batch size or the optimizer family splits the sweep.
+Widths of Linear, Conv, BatchNorm and Embedding layers within one band do
+not: those members share a padded bucket. The bands are judged as for a CPU
+(the driver does not know the buckets' device; on a GPU small models' bands
+are wider, so a sweep splits no more than said). A user who
 sweeps such a key should hear it when the run starts, not find ``chorus/live``
 at 1 afterwards. :func:`split_of` reads a sample of the run's configs and says
 how many structures they fall into and which keys split them, by asking the
 key itself: a config key splits when changing it alone (from one config of
-the sample) changes the structural key. Models are built on the ``meta``
+the sample) changes the sharing key. Models are built on the ``meta``
 device, so this costs no memory and no initialisation.
 """
 from __future__ import annotations
@@ -16,7 +21,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from chorus_tune.stack import describe_split, structural_key
+from chorus_tune.stack import describe_split, sharing_key
 
 # Values of one key tried against the base config: enough to see that a key splits.
 _VALUES_TRIED = 8
@@ -64,7 +69,7 @@ def split_of(task: Any, configs: Sequence[dict]) -> SpaceSplit:
     built: list[dict] = []
     for config in configs:
         try:
-            keys.append(structural_key(task, config))
+            keys.append(sharing_key(task, config))
         except Exception:  # noqa: BLE001 - a config that cannot build fails its own trial, with its own error
             continue
         built.append(config)
@@ -85,7 +90,7 @@ def _splitting_keys(task: Any, configs: list[dict], keys: list[Any]) -> tuple[tu
             continue
         for value in values[:_VALUES_TRIED]:
             try:
-                if structural_key(task, {**base, name: value}) != base_key:
+                if sharing_key(task, {**base, name: value}) != base_key:
                     splitting.append((str(name), len(values)))
                     break
             except Exception:  # noqa: BLE001 - a combination no trial asked for may not build
