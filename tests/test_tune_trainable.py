@@ -152,6 +152,22 @@ def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_pat
     assert max(r.metrics["chorus/live"] for r in results) <= 3
 
 
+def test_trials_of_other_widths_in_one_band_share_one_padded_bucket_and_follow_their_references(tmp_path):
+    # docs/design.md D9: 20, 32, 48 and 64 fall in one width band on a CPU.
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=8)
+    space = {"width": tune.grid_search([20, 32, 48, 64]), "lr": tune.grid_search([0.05, 0.1]), "seed": 3}
+    results = _fit(trainable, space, tmp_path, iterations=2, num_samples=8, reuse_actors=True,
+                   search_alg=ChorusSearch(task=trainable))
+    assert len(results) == 8 and not results.errors
+    assert len({r.metrics["chorus/bucket"] for r in results}) == 1
+    for result in results:
+        config = {k: result.config[k] for k in ("width", "lr", "seed")}
+        expected, _ = reference.train(task, config, iterations=2)
+        torch.testing.assert_close(torch.tensor(history(result)), torch.tensor([h["val_loss"] for h in expected]),
+                                   rtol=1e-4, atol=1e-6)
+
+
 def test_reuse_actors_resets_into_new_members(tmp_path):
     task = digits_task()
     trainable = ChorusTrainable.for_task(task, bucket_size=2, max_buckets=1)
