@@ -228,6 +228,9 @@ class MemberStack:
 
     def clear(self, slot: int) -> None:
         self.skeletons[slot] = None
+        if self.own[slot] is not None:
+            self.own[slot] = None
+            self._update_masks()  # a frozen slot needs no mask: its padded entries are zero and stay so
 
     # ----- padding (chorus_tune/widths.py) ---------------------------------------------------------
     @property

@@ -169,7 +169,7 @@ def test_a_padded_members_state_and_export_hold_its_own_shapes():
     assert {n: tuple(t.shape) for n, t in bucket.export_model(narrow).state_dict().items()} == own
 
 
-@pytest.mark.parametrize("into", ["unpadded", "padded"])
+@pytest.mark.parametrize("into", ["unpadded", "padded", "widened"])
 def test_a_member_state_restores_into_a_padded_or_unpadded_bucket_and_continues_its_reference(into):
     task = _sigmoid_task(optimizer="adam")
     config = dict(h1=20, lr=3e-3, seed=1)
@@ -180,9 +180,11 @@ def test_a_member_state_restores_into_a_padded_or_unpadded_bucket_and_continues_
     state = first.member_state(slot)
     second = ct.Bucket(task, capacity=2, route="vmap")
     if into == "padded":
-        second.add(dict(h1=24, h2=32, lr=1e-3, seed=3))  # wider in one layer, as wide in the other
+        second.add(dict(h1=24, h2=32, lr=1e-3, seed=3))  # wider than it in both hidden layers
+    if into == "widened":
+        second.add(dict(h1=20, h2=18, lr=1e-3, seed=3))  # narrower in one: restoring it widens the bucket
     restored = second.restore(state)
-    assert second.stack.padded == (into == "padded")
+    assert second.stack.padded == (into != "unpadded")
     results = [second.run_iteration()[restored] for _ in range(2)]
     history, model = reference.train(task, config, iterations=3)
     assert [r["val_loss"] for r in results] == pytest.approx([h["val_loss"] for h in history[1:]], rel=RTOL)
@@ -283,6 +285,23 @@ def test_padded_members_compact_and_train_alone_as_their_reference():
     for slot, config, iterations in ((narrow, ADAM_CONFIGS[0], 3), (other, ADAM_CONFIGS[2], 2)):
         history, model = reference.train(task, config, iterations=iterations)
         params_close(bucket.export_model(slot), model, RTOL)
+
+
+@pytest.mark.parametrize("family", ["sgd", "adam"])
+def test_a_wider_newcomer_widens_the_bucket_under_trained_members_who_keep_their_trajectory(family):
+    task = _sigmoid_task(optimizer=family)
+    configs = SGD_CONFIGS if family == "sgd" else ADAM_CONFIGS
+    narrow, wide = configs[0], configs[1]  # h1 20 -> 32, h2 20 -> 24
+    bucket = ct.Bucket(task, capacity=2, route="vmap")
+    slot = bucket.add(narrow)
+    bucket.run_iteration()  # alone: it has optimizer state (momentum, Adam's moments) when the stack widens
+    newcomer = bucket.add(wide)
+    assert bucket.stack.padded and bucket.stack.shapes["0.weight"] == (32, 64)
+    for _ in range(2):
+        bucket.run_iteration()
+    for s, config, iterations in ((slot, narrow, 3), (newcomer, wide, 2)):
+        _, model = reference.train(task, config, iterations=iterations)
+        params_close(bucket.export_model(s), model, RTOL)
 
 
 def test_the_route_report_says_what_each_member_pays_for_its_padding():
