@@ -69,7 +69,8 @@ def describe_split(ours: StructuralKey, theirs: StructuralKey) -> str:
     others = [names[f] for f in fields if f in names]
     if others:
         parts.append("their " + ", ".join(others) + " differ")
-    return "; ".join(parts)
+    # Nothing but a band against a key without one (a member's own key): widths, which pad.
+    return "; ".join(parts) or "they differ only in widths, which pad (docs/design.md D9)"
 
 
 def _unpaddable_widths(ours: StructuralKey, theirs: StructuralKey, limit: int = 3) -> list[str]:
