@@ -436,7 +436,7 @@ class Bucket:
         """What each live member pays for its padding: its own and the padded
         parameter counts and estimated multiply-adds per sample (``None``: the
         model's forward could not be profiled), and ``factor``, padded over own
-        (what the width rule judges). Empty before the first member."""
+        (multiply-adds where known, else parameters). Empty before the first member."""
         if self.stack is None:
             return {}
         padded = self._cost(self.stack.shapes)

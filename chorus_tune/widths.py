@@ -202,7 +202,7 @@ class Cost:
 
     @property
     def measure(self) -> float:
-        """What the sharing rule compares: ``macs`` where known, else ``params``."""
+        """What a padding's price compares: ``macs`` where known, else ``params``."""
         return self.macs if self.macs is not None else float(self.params)
 
 
