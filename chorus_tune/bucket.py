@@ -24,8 +24,8 @@ from .seeds import as_seed
 from .stack import MemberStack, StructuralKey, describe_split, mean_loss, module_key, module_tensors
 from .task import Task, TensorSplit
 from .task_metrics import MetricError, compute_metric
-from .width_rule import DEFAULT_RULE, WidthRule, describe_band_difference
-from .widths import Cost, Profile, band_of, describe_widths, padding_family, shapes_of, widen, widest
+from .width_rule import DEFAULT_RULE, WidthRule
+from .widths import Cost, Profile, padding_family, shapes_of, widen, widest
 
 __all__ = ["Bucket", "MemberFailure", "MemberMetricError", "MemberOutOfMemory", "ROUTES", "RouteReason",
            "STATE_FORMAT"]
@@ -149,20 +149,19 @@ class Bucket:
     Widths (docs/design.md D9, chorus_tune/widths.py): members whose models
     differ only in the widths of Linear, Conv, BatchNorm and Embedding layers
     share the bucket padded to the widest, each training exactly as its own
-    model, within one band of ``width_rule`` (chorus_tune/width_rule.py,
-    judged for ``width_device``, default the bucket's device type);
-    ``width_rule=None``: members of one width only. A member whose padded
+    model, while ``width_rule`` (chorus_tune/width_rule.py) says the padding
+    costs each member at most its factor (priced by multiply-adds per sample,
+    on this bucket's device); ``width_rule=None``: members of one width only. A member whose padded
     forward or gradient disagrees with its own model's (the padding check,
     chorus_tune/padding.py) is refused (``padding_mismatch="refuse"``), or
     taken and the bucket runs every member on the eager route, each its own
     model (``"eager"``: for a caller that cannot place it elsewhere; only
-    under ``route="auto"``). ``key`` is what every member shares
-    (``stack.sharing_key``: widths left out, the band in their place).
+    under ``route="auto"``). ``key`` is what every member shares (the padded
+    family: ``widths.padding_family``).
     """
 
     def __init__(self, task: Task, capacity: int, device: str | torch.device = "cpu", route: str = "auto",
-                 width_rule: WidthRule | None = DEFAULT_RULE, width_device: str | None = None,
-                 padding_mismatch: str = "refuse"):
+                 width_rule: WidthRule | None = DEFAULT_RULE, padding_mismatch: str = "refuse"):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive integer (the number of slots); got {capacity!r}")
         if width_rule is not None and not isinstance(width_rule, WidthRule):
@@ -172,9 +171,6 @@ class Bucket:
         if padding_mismatch not in ("refuse", "eager"):
             raise ValueError(f"padding_mismatch must be 'refuse' or 'eager'; got {padding_mismatch!r}")
         self.width_rule, self.padding_mismatch = width_rule, padding_mismatch
-        # The device type the width rule judges for: this bucket's, unless the
-        # caller grouped members for another (the pool's sharing key).
-        self.width_device = width_device or self.device.type
         self._profile: Profile | None = None  # where the model computes, for pricing padding
         self.key: StructuralKey | None = None
         self.model_name: str | None = None
@@ -320,7 +316,7 @@ class Bucket:
             check_state_fits(state, family, module)
             module.load_state_dict(state["model"])
         key = module_key(self.task, config, module)  # the model is built already: no second build
-        if self.key is not None and padding_family(key) != self.key._replace(band=()):
+        if self.key is not None and padding_family(key) != self.key:
             raise ValueError(
                 f"config {config} does not share this bucket's structure ({self.model_name}): "
                 f"{describe_split(self.key, key)}"
@@ -353,8 +349,7 @@ class Bucket:
         return slot
 
     def _materialise(self, template: nn.Module, key: StructuralKey, config: dict) -> None:
-        band = () if self.width_rule is None else band_of(key, self.width_rule, self.width_device)
-        self.key, self.model_name = padding_family(key)._replace(band=band), type(template).__name__
+        self.key, self.model_name = padding_family(key), type(template).__name__
         train, val = self.task.load_data()
         self._train = train.to(self.device) if isinstance(train, TensorSplit) else train
         self._val = val.to(self.device) if isinstance(val, TensorSplit) else val
@@ -379,14 +374,14 @@ class Bucket:
         where = f"config {config} cannot share this bucket ({self.model_name})"
         if self.width_rule is None:
             raise ValueError(f"{where}: its widths differ and this bucket does not pad (width_rule=None)")
-        band = band_of(key, self.width_rule, self.width_device)
-        if band != self.key.band:
-            raise ValueError(f"{where}: its widths {describe_widths(key)} fall in another band of the width "
-                             f"rule than this bucket's ({describe_band_difference(band, self.key.band)}); members "
-                             "pad only within one band (chorus_tune/width_rule.py)")
-        shapes = widest([self.stack.shapes, shapes_of(key)])
+        own = shapes_of(key)
+        shapes = widest([self.stack.shapes, own])
         growing = shapes != self.stack.shapes
         live = self.live_slots
+        costs = [self._cost(self.stack.own[k]).measure for k in live] + [self._cost(own).measure]
+        verdict = self.width_rule.judge(costs, self._cost(shapes).measure, self.device.type, self._batch_size)
+        if not verdict.shares:
+            raise ValueError(f"{where}: {verdict.reason} (chorus_tune/width_rule.py)")
         if growing:
             self.task.check_capacity(self.capacity, widen(module, shapes), config, self.device)
         x, y = self._padding_batch()

@@ -20,7 +20,7 @@ from .compiling import CompiledCalls
 from .configuration import ModuleConfiguration, describe_difference, lift, lifted_settings, module_configuration
 from .losses import LossFn
 from .rows import RowCopies, copy_rows, put_rows
-from .widths import Shape, corner, describe_paddable, pad_into, pad_mask, padding_family
+from .widths import Shape, corner, describe_paddable, pad_into, pad_mask, padding_family, shapes_of
 
 Tensors = dict[str, torch.Tensor]
 
@@ -38,9 +38,9 @@ class StructuralKey(NamedTuple):
     # Every submodule's type and settings, the per-member (lifted) ones left out
     # (chorus_tune/configuration.py): who may share the vmap template.
     configuration: ModuleConfiguration = ()
-    # A sharing key's width band (chorus_tune/width_rule.py; :func:`sharing_key`):
-    # () in a member's own key, whose shapes say its widths.
-    band: tuple = ()
+    # A sharing key's width group (width_rule.WidthGroups; :func:`sharing_key`):
+    # None in a member's own key, whose shapes say its widths.
+    width_group: int | None = None
 
 
 def describe_split(ours: StructuralKey, theirs: StructuralKey) -> str:
@@ -59,17 +59,15 @@ def describe_split(ours: StructuralKey, theirs: StructuralKey) -> str:
     if "parameters" in fields or "buffers" in fields:
         parts.append(f"their shapes differ in {', '.join(_unpaddable_widths(ours, theirs))}, which cannot pad "
                      f"(only the widths of {describe_paddable()} do)")
-    if "band" in fields and ours.band and theirs.band:
-        from .width_rule import describe_band_difference
-
-        parts.append(f"their widths fall in different bands of the width rule: "
-                     f"{describe_band_difference(ours.band, theirs.band)}")
+    if "width_group" in fields and ours.width_group is not None and theirs.width_group is not None:
+        parts.append("their widths would cost more padded together than the width rule allows "
+                     "(chorus_tune/width_rule.py)")
     names = {"model_class": "model class", "batch_size": "batch size", "optimizer": "optimizer family",
              "loss": "loss", "data": "data"}
     others = [names[f] for f in fields if f in names]
     if others:
         parts.append("their " + ", ".join(others) + " differ")
-    # Nothing but a band against a key without one (a member's own key): widths, which pad.
+    # Nothing but a width group against a key without one (a member's own key): widths, which pad.
     return "; ".join(parts) or "they differ only in widths, which pad (docs/design.md D9)"
 
 
@@ -98,17 +96,19 @@ def structural_key(task, config: dict) -> StructuralKey:
     return module_key(task, config, module)
 
 
-def sharing_key(task, config: dict, rule=None, device_type: str = "cpu") -> StructuralKey:
+def sharing_key(task, config: dict, groups) -> StructuralKey:
     """Who may share a bucket, widths padding (docs/design.md D9): the config's
     structural key with its widths left out (``widths.padding_family``) and its
-    width band under ``rule`` (default ``width_rule.DEFAULT_RULE``) on
-    ``device_type`` in their place. Members of equal sharing keys share a
-    padded bucket; what the pool groups trials by."""
-    from .width_rule import DEFAULT_RULE
-    from .widths import band_of
+    width group in ``groups`` (a ``width_rule.WidthGroups``, which remembers
+    the widths it was shown, in order; priced by parameters) in their place.
+    Members of equal sharing keys share padded buckets: what the pool groups
+    trials by, and what ``space_split`` counts."""
+    from .widths import parameter_cost
 
     key = structural_key(task, config)
-    return padding_family(key)._replace(band=band_of(key, rule or DEFAULT_RULE, device_type))
+    family = padding_family(key)
+    group = groups.assign(family, shapes_of(key), parameter_cost(key), key.batch_size)
+    return family._replace(width_group=group)
 
 
 def module_key(task, config: dict, module: nn.Module) -> StructuralKey:

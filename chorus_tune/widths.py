@@ -31,10 +31,12 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
+
+from .width_rule import widest  # noqa: F401 (the widest shapes: here for the stack's callers)
 
 Shape = tuple[int, ...]
 # In a padded-family key, a dimension that padding may widen.
@@ -118,15 +120,6 @@ def padding_family(key):
 def shapes_of(key) -> dict[str, Shape]:
     """``{tensor name: shape}`` of every parameter and buffer in ``key``."""
     return {n: tuple(s) for n, s, _ in (*key.parameters, *key.buffers)}
-
-
-def widest(shapes: Iterable[dict[str, Shape]]) -> dict[str, Shape]:
-    """Each tensor's elementwise largest shape over members of one family."""
-    out: dict[str, Shape] = {}
-    for member in shapes:
-        for n, s in member.items():
-            out[n] = tuple(max(a, b) for a, b in zip(out[n], s)) if n in out else tuple(s)
-    return out
 
 
 def corner(shape: Shape) -> tuple[slice, ...]:
@@ -256,25 +249,13 @@ class Profile:
         return Cost(params, macs)
 
 
-# ----- the sharing rule's inputs (chorus_tune/width_rule.py) ------------------------------------
-def width_values(key) -> tuple[int, ...]:
-    """The sizes of every width dimension of ``key``, in its order: what the
-    sharing rule brackets."""
-    dims = width_dims(key)
-    return tuple(shape[i] for n, shape, _ in (*key.parameters, *key.buffers) for i in dims.get(n, ()))
+# ----- the sharing rule's price, where there is no data (chorus_tune/width_rule.py) --------------
+def parameter_cost(key) -> Callable[[dict[str, Shape]], float]:
+    """A price of ``key``'s structure at any shapes: its parameter count (what
+    the pool, which has no input row to profile with, prices padding by)."""
+    names = [n for n, _, _ in key.parameters]
 
+    def cost(shapes: dict[str, Shape]) -> float:
+        return float(sum(math.prod(shapes[n]) for n in names))
 
-def parameter_count(key) -> int:
-    """The number of parameters of a member of ``key``."""
-    return sum(math.prod(shape) for _, shape, _ in key.parameters)
-
-
-def band_of(key, rule, device_type: str):
-    """``key``'s band under ``rule`` (a ``width_rule.WidthRule``) on ``device_type``."""
-    return rule.band(width_values(key), parameter_count(key), device_type, key.batch_size)
-
-
-def describe_widths(key) -> str:
-    """``key``'s distinct widths, in words (for the rule's refusals)."""
-    values = sorted(set(width_values(key)))
-    return "{" + ", ".join(str(v) for v in values) + "}"
+    return cost

@@ -1,13 +1,15 @@
 """Which widths share a padded stack, and who is of one padded family (docs/design.md D9; Ray-free, no training)."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 
 import chorus_tune as ct
 from chorus_tune.stack import describe_split, structural_key
-from chorus_tune.width_rule import WidthRule, bracket, describe_band
+from chorus_tune.width_rule import WidthGroups, WidthRule
 from chorus_tune.widths import Profile, padding_family, shapes_of, widest
 
 from models import digits
@@ -17,38 +19,70 @@ def _key(factory, config=None):
     return structural_key(ct.Task(factory, digits(), batch_size=32), config or {})
 
 
-def test_a_bracket_holds_widths_up_to_a_power_of_the_ratio():
-    assert [bracket(w, 4) for w in (1, 2, 4, 5, 16, 17, 32, 64, 65, 256)] == [0, 1, 1, 2, 2, 3, 3, 3, 4, 4]
-    assert bracket(8 ** 7, 8) == 7  # the top of a bracket is in it (a float logarithm says 8)
+def test_members_within_the_factor_share_on_a_cpu():
+    verdict = WidthRule().judge([100.0, 400.0], padded=400.0, device_type="cpu", batch=32)
+    assert verdict.shares and verdict.factors == (4.0, 1.0)
 
 
-def test_a_doubling_sweep_pairs_neighbours_on_a_cpu():
-    rule = WidthRule()
-    bands = {w: rule.band([64, w, w, w, w, 10], params=10 ** 6, device_type="cpu", batch=32)
-             for w in (32, 64, 128, 256)}
-    assert bands[32] == bands[64] != bands[128] == bands[256]
+def test_a_member_past_the_factor_on_a_cpu_does_not_share_and_the_reason_names_its_price():
+    verdict = WidthRule().judge([100.0, 500.0], padded=500.0, device_type="cpu", batch=32)
+    assert not verdict.shares
+    assert "a member costing 100 would cost 500 (5x its own; the limit on cpu is 4x)" in verdict.reason
 
 
-def test_a_small_model_on_a_gpu_takes_the_launch_bound_ratio():
-    rule = WidthRule(ratio=4, launch_bound_ratio=16, launch_bound_work=2 ** 24)
-    # 32 rows x 1000 parameters x 16^2 = 8.2e6 multiply-adds: within the launch-bound work.
-    assert rule.ratio_for(1000, "cuda", 32) == 16
-    assert rule.band([32], 1000, "cuda", 32) == rule.band([200], 1000, "cuda", 32)
-    assert rule.band([32], 1000, "cpu", 32) != rule.band([200], 1000, "cpu", 32)
+def test_a_launch_bound_step_on_a_gpu_allows_the_larger_factor():
+    rule = WidthRule(factor=4, launch_bound_factor=16, launch_bound_work=1e6)
+    assert rule.judge([100.0, 1000.0], padded=1000.0, device_type="cuda", batch=32).shares  # 32 * 1000 <= 1e6
+    assert not rule.judge([100.0, 1000.0], padded=1000.0, device_type="cpu", batch=32).shares
 
 
-def test_a_large_model_on_a_gpu_keeps_the_cpu_ratio():
-    assert WidthRule().ratio_for(10 ** 6, "cuda", 32) == 4
+def test_a_large_step_on_a_gpu_keeps_the_cpu_factor():
+    rule = WidthRule(factor=4, launch_bound_factor=16, launch_bound_work=1e6)
+    assert not rule.judge([1e4, 1e5], padded=1e5, device_type="cuda", batch=64).shares  # 64 * 1e5 > 1e6
 
 
-def test_a_band_is_said_as_its_brackets():
-    assert describe_band((4, (3, 3, 2))) == "ratio 4: (4, 16], (16, 64]"
-
-
-@pytest.mark.parametrize("field, value", [("ratio", 1), ("launch_bound_ratio", True), ("ratio", "4")])
+@pytest.mark.parametrize("field, value", [("factor", 0.5), ("launch_bound_factor", True), ("factor", "4")])
 def test_a_bad_rule_is_refused(field, value):
     with pytest.raises(ValueError, match=field):
         WidthRule(**{field: value})
+
+
+def _params(shapes):
+    return float(sum(math.prod(s) for s in shapes.values()))
+
+
+def _hidden(h):
+    """An MLP 64 -> h -> h -> 10's weights."""
+    return {"fc1": (h, 64), "fc2": (h, h), "out": (10, h)}
+
+
+def test_width_groups_pair_neighbours_of_a_doubling_sweep_in_the_order_they_come():
+    groups = WidthGroups()
+    assigned = [groups.assign("mlp", _hidden(h), _params, batch=64) for h in (32, 64, 128, 256)]
+    # 32 padded to 64 costs 2.6x its own, to 128 7.6x; 128 padded to 256 3.3x.
+    assert assigned == [0, 0, 1, 1]
+    assert "7.62x its own; the limit on cpu is 4x" in groups.reasons[("mlp", 1)]
+
+
+def test_the_same_widths_always_get_the_same_group_and_other_structures_their_own():
+    groups = WidthGroups()
+    first = groups.assign("mlp", _hidden(32), _params, batch=64)
+    groups.assign("mlp", _hidden(256), _params, batch=64)
+    assert groups.assign("mlp", _hidden(32), _params, batch=64) == first == 0
+    assert groups.assign("cnn", _hidden(256), _params, batch=64) == 0
+
+
+def test_a_newcomer_joins_a_group_only_if_every_member_stays_within_the_factor():
+    groups = WidthGroups(WidthRule(factor=4))
+    groups.assign("mlp", _hidden(32), _params, batch=64)
+    groups.assign("mlp", _hidden(64), _params, batch=64)
+    # 128 with 64 alone would be 2.9x, but 32 would pay 7.6x: it opens a group.
+    assert groups.assign("mlp", _hidden(128), _params, batch=64) == 1
+
+
+def test_on_a_gpu_small_widths_pad_further():
+    groups = WidthGroups(device_type="cuda")
+    assert {groups.assign("mlp", _hidden(h), _params, batch=64) for h in (32, 64, 128)} == {0}
 
 
 def _mlp(c):
@@ -117,12 +151,13 @@ def test_a_model_that_cannot_run_on_meta_is_priced_by_its_parameters():
     assert cost.macs is None and cost.measure == 10
 
 
-def test_the_sharing_key_is_equal_within_a_band_and_the_split_between_bands_is_said():
+def test_the_sharing_key_groups_widths_within_the_rule_and_the_split_beyond_it_is_said():
     from chorus_tune.stack import sharing_key
 
     task = ct.Task(_mlp, digits(), batch_size=32)
-    assert sharing_key(task, {"h": 20}) == sharing_key(task, {"h": 64})
-    assert sharing_key(task, {"h": 20}) != sharing_key(task, {"h": 128})
-    words = describe_split(sharing_key(task, {"h": 20}), sharing_key(task, {"h": 128}))
-    assert words == ("their widths fall in different bands of the width rule: a width in (16, 64] vs one in "
-                     "(64, 256] (brackets of ratio 4)")
+    groups = WidthGroups()
+    narrow, near, far = (sharing_key(task, {"h": h}, groups) for h in (20, 64, 256))
+    assert narrow == near != far
+    assert describe_split(narrow, far) == ("their widths would cost more padded together than the width rule "
+                                           "allows (chorus_tune/width_rule.py)")
+    assert describe_split(narrow, _key(_mlp, {"h": 256})).startswith("they differ only in widths")

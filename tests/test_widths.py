@@ -234,13 +234,13 @@ def test_an_output_whose_width_would_pad_is_refused():
         bucket.add(dict(classes=12, seed=2))
 
 
-def test_widths_of_another_band_are_refused():
+def test_widths_that_would_cost_more_than_the_rule_allows_are_refused():
     bucket = ct.Bucket(_sigmoid_task(), capacity=2)
     bucket.add(dict(h1=4, h2=4, seed=1))
-    with pytest.raises(ValueError, match=r"its widths \{10, 64, 256\} fall in another band .* \(a width in "
-                                         r"\(64, 256\] vs one in \(1, 4\]"):
+    with pytest.raises(ValueError, match=r"a member costing 312 would cost 8.448e\+04 \(271x its own; the limit on "
+                                         r"cpu is 4x\)"):
         bucket.add(dict(h1=256, h2=256, seed=2))
-    generous = ct.Bucket(_sigmoid_task(), capacity=2, width_rule=WidthRule(ratio=1000))
+    generous = ct.Bucket(_sigmoid_task(), capacity=2, width_rule=WidthRule(factor=1000))
     generous.add(dict(h1=4, h2=4, seed=1))
     generous.add(dict(h1=256, h2=256, seed=2))
 

@@ -111,6 +111,7 @@ class ChorusBucket:
         import torch
 
         from chorus_tune.bucket import Bucket
+        from chorus_tune.width_rule import NO_LIMIT
 
         resources = dict(options.resources_per_bucket or ())
         torch.set_num_threads(bucket_threads(resources))
@@ -127,11 +128,12 @@ class ChorusBucket:
         if self.choice.fell_back:
             logger.warning("%s: Ray gave it GPU %s (%s), but torch has no CUDA here: it trains on the CPU",
                            name, ",".join(self.choice.gpu_ids), self.choice.requested)
-        # Widths pad (docs/design.md D9): the members the pool grouped by their width
-        # band, judged for the device the pool judged for; a member whose padding
-        # disagrees has no other bucket to go to, so this one runs eager instead.
+        # Widths pad (docs/design.md D9): the pool sends only members its width groups
+        # put together (their padding within the width rule), so this bucket does not
+        # judge again; a member whose padding disagrees has no other bucket to go to,
+        # so this one runs eager instead.
         self.core = Bucket(task, options.bucket_size, device=self.device, route=options.route,
-                           width_device="cuda" if self.choice.gpu_ids else "cpu", padding_mismatch="eager")
+                           width_rule=NO_LIMIT, padding_mismatch="eager")
         self.book = MemberBook(max_queue=_MAX_QUEUE, gather_s=options.gather_s)
         self.clients: dict[str, ActorId | None] = {}  # member -> the id of the trial actor reading it
         self.retired: OrderedDict[str, dict] = OrderedDict()

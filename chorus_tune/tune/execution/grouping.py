@@ -10,8 +10,9 @@ class GroupKey(NamedTuple):
     ``structural_key`` decides (docs/design.md D9): the trial's sharing key
     (``chorus_tune.stack.sharing_key``, which may not be imported here: this
     module stays torch-free), its structure with the widths that pad left out
-    and its width band in their place, judged for :func:`width_device`;
-    ``model_name`` follows from it and names the group in logs and bucket names.
+    and its width group (``chorus_tune.width_rule.WidthGroups``, judged for
+    :func:`width_device`) in their place; ``model_name`` follows from it and
+    names the group in logs and bucket names.
     """
 
     task_id: str
@@ -22,10 +23,8 @@ class GroupKey(NamedTuple):
 
 def width_device(per_bucket: Mapping[str, float]) -> str:
     """The device type the width rule judges a bucket of these resources for
-    (chorus_tune/width_rule.py): ``"cuda"`` where it claims a GPU. The pool
-    groups by it and the bucket actor judges its members by it (from the GPUs
-    Ray gave it), so the two agree even where a bucket given a GPU falls back
-    to the CPU."""
+    (chorus_tune/width_rule.py: its launch-bound factor): ``"cuda"`` where it
+    claims a GPU."""
     return "cuda" if per_bucket.get("GPU", 0) > 0 else "cpu"
 
 

@@ -195,6 +195,7 @@ class ChorusPool:
         # members whose placement failed, or that failed in their bucket: why, for a trial that asks later
         self._unplaced: dict[str, BaseException] = {}
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
+        self._width_groups: dict[str, Any] = {}  # device type -> the width_rule.WidthGroups trials are grouped in
         # ChorusSearch without task= (see ChorusSearch._send_scout): its scout
         # trials, and their members held back for their cohort.
         self.scouts = Scouts(lambda delay_s, callback: asyncio.get_running_loop().call_later(delay_s, callback))
@@ -230,10 +231,13 @@ class ChorusPool:
             self.placement.max_buckets = self._budget(options)
         task = self.tasks[task_id_]
         from chorus_tune.stack import sharing_key
+        from chorus_tune.width_rule import WidthGroups
 
-        # Widths pad: trials of one width band share buckets (docs/design.md D9). Raises
-        # the factory's own error for a bad config.
-        skey = sharing_key(task, config, device_type=width_device(self._bucket_resources(options)))
+        # Widths pad: trials whose widths the width rule lets pad together share buckets
+        # (docs/design.md D9), grouped in the order they come. Raises the factory's own
+        # error for a bad config.
+        device = width_device(self._bucket_resources(options))
+        skey = sharing_key(task, config, self._width_groups.setdefault(device, WidthGroups(device_type=device)))
         key = GroupKey(task_id_, options, self._model_name(task, config), skey)
         if key not in self.key_info:
             _log_split(key, split_from(key, self.key_info))
