@@ -18,6 +18,8 @@ _EXPORTS = {
     "Task": "chorus_tune.task",
     "Bucket": "chorus_tune.bucket",
     "structural_key": "chorus_tune.stack",
+    "sharing_key": "chorus_tune.stack",
+    "WidthRule": "chorus_tune.width_rule",
     "model_from_state": "chorus_tune.export",
     "ChorusTrainable": "chorus_tune.tune.trial.trainable",
     "load_model": "chorus_tune.tune.trial.checkpoint",

@@ -16,13 +16,16 @@ from .data import BatchOrder, SharedBatches, eval_batches, first_batch
 from .member_state import check_member_state, check_state_fits
 from .memory import describe_memory, is_out_of_memory, release_memory
 from .optim import OptimizerSnapshot, StackedOptimizer, hyperparameters, scheduled_lr
+from .padding import padding_disagreement
 from .precision import autocast
 from .route import PROBE_TOLERANCE, ROUTES, ProbeResult, RouteChoice, RouteReason, decide
 from .rows import RowCopies
 from .seeds import as_seed
-from .stack import MemberStack, StructuralKey, describe_split, mean_loss, module_key
+from .stack import MemberStack, StructuralKey, describe_split, mean_loss, module_key, module_tensors
 from .task import Task, TensorSplit
 from .task_metrics import MetricError, compute_metric
+from .width_rule import DEFAULT_RULE, WidthRule
+from .widths import Cost, Profile, padding_family, shapes_of, widen, widest
 
 __all__ = ["Bucket", "MemberFailure", "MemberMetricError", "MemberOutOfMemory", "ROUTES", "RouteReason",
            "STATE_FORMAT"]
@@ -142,13 +145,33 @@ class Bucket:
     group size that then worked (``None``: never ran out), used directly by
     later iterations; set it back to ``None`` to try every member at once
     again. ``oom_recoveries`` counts the out-of-memory errors survived.
+
+    Widths (docs/design.md D9, chorus_tune/widths.py): members whose models
+    differ only in the widths of Linear, Conv, BatchNorm and Embedding layers
+    share the bucket padded to the widest, each training exactly as its own
+    model, while ``width_rule`` (chorus_tune/width_rule.py) says the padding
+    costs each member at most its factor (priced by multiply-adds per sample,
+    on this bucket's device); ``width_rule=None``: members of one width only. A member whose padded
+    forward or gradient disagrees with its own model's (the padding check,
+    chorus_tune/padding.py) is refused (``padding_mismatch="refuse"``), or
+    taken and the bucket runs every member on the eager route, each its own
+    model (``"eager"``: for a caller that cannot place it elsewhere; only
+    under ``route="auto"``). ``key`` is what every member shares (the padded
+    family: ``widths.padding_family``).
     """
 
-    def __init__(self, task: Task, capacity: int, device: str | torch.device = "cpu", route: str = "auto"):
+    def __init__(self, task: Task, capacity: int, device: str | torch.device = "cpu", route: str = "auto",
+                 width_rule: WidthRule | None = DEFAULT_RULE, padding_mismatch: str = "refuse"):
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity must be a positive integer (the number of slots); got {capacity!r}")
+        if width_rule is not None and not isinstance(width_rule, WidthRule):
+            raise TypeError(f"width_rule must be a WidthRule or None; got {type(width_rule).__name__}")
         self.routing = RouteChoice(route)  # a ValueError for an unknown route
         self.task, self.capacity, self.device = task, capacity, torch.device(device)
+        if padding_mismatch not in ("refuse", "eager"):
+            raise ValueError(f"padding_mismatch must be 'refuse' or 'eager'; got {padding_mismatch!r}")
+        self.width_rule, self.padding_mismatch = width_rule, padding_mismatch
+        self._profile: Profile | None = None  # where the model computes, for pricing padding
         self.key: StructuralKey | None = None
         self.model_name: str | None = None
         self.members: list[Member | None] = [None] * capacity
@@ -205,6 +228,7 @@ class Bucket:
             report["per_member"] = {n: {k: float(f"{float(s[k]):.6g}") for k in self.live_slots}  # float32 noise off
                                     for n, s in self.stack.settings.items()}
             report["configuration"] = self.describe_configuration()
+            report["padding"] = self.padding_report()
         return report
 
     def describe_configuration(self) -> list[str]:
@@ -292,15 +316,21 @@ class Bucket:
             check_state_fits(state, family, module)
             module.load_state_dict(state["model"])
         key = module_key(self.task, config, module)  # the model is built already: no second build
-        if self.key is not None and key != self.key:
+        if self.key is not None and padding_family(key) != self.key:
             raise ValueError(
                 f"config {config} does not share this bucket's structure ({self.model_name}): "
                 f"{describe_split(self.key, key)}"
             )
+        template = None
         if self.stack is None:  # the data, model and capacity, checked before the bucket takes memory
             self.task.check_model(module)
             self.task.check_capacity(self.capacity, module, config, self.device)
+        elif shapes_of(key) != self.stack.shapes:
+            template = self._admit_widths(module, key, config)  # a ValueError if its widths may not pad here
+        if self.stack is None:
             self._materialise(module, key, config)
+        elif template is not None:
+            self._grow(template)
         slot = free[0]
         order = None
         if isinstance(self._train, TensorSplit):
@@ -319,13 +349,14 @@ class Bucket:
         return slot
 
     def _materialise(self, template: nn.Module, key: StructuralKey, config: dict) -> None:
-        self.key, self.model_name = key, type(template).__name__
+        self.key, self.model_name = padding_family(key), type(template).__name__
         train, val = self.task.load_data()
         self._train = train.to(self.device) if isinstance(train, TensorSplit) else train
         self._val = val.to(self.device) if isinstance(val, TensorSplit) else val
         if not isinstance(train, TensorSplit):
             self._shared = SharedBatches(train, self.task.batch_size_for(config), self.task.data_seed)
         self.stack = MemberStack(template, self.capacity, self.device)
+        self._batch_size = self.task.batch_size_for(config)
         by_identity = {id(t): n for n, t in (*template.named_parameters(), *template.named_buffers())}
         entries = template.state_dict(keep_vars=True)
         # None: the state_dict holds more than tensors of the stack (extra state):
@@ -333,6 +364,94 @@ class Bucket:
         self._state_names = ({key: by_identity[id(t)] for key, t in entries.items()}
                              if all(id(t) in by_identity for t in entries.values()) else None)
         self.optimizer = StackedOptimizer(key.optimizer, self.stack.params)
+
+    # ----- widths (docs/design.md D9; chorus_tune/widths.py) ------------------------------------------
+    def _admit_widths(self, module: nn.Module, key: StructuralKey, config: dict) -> nn.Module | None:
+        """Check that a member of other widths may join (the sharing rule, and
+        the padding check for it and, if the stack must widen, for every member
+        here); the widened template if the stack must grow, else ``None``.
+        Raises ``ValueError`` saying why not; nothing has changed then."""
+        where = f"config {config} cannot share this bucket ({self.model_name})"
+        if self.width_rule is None:
+            raise ValueError(f"{where}: its widths differ and this bucket does not pad (width_rule=None)")
+        own = shapes_of(key)
+        shapes = widest([self.stack.shapes, own])
+        growing = shapes != self.stack.shapes
+        live = self.live_slots
+        costs = [self._cost(self.stack.own[k]).measure for k in live] + [self._cost(own).measure]
+        verdict = self.width_rule.judge(costs, self._cost(shapes).measure, self.device.type, self._batch_size)
+        if not verdict.shares:
+            raise ValueError(f"{where}: {verdict.reason} (chorus_tune/width_rule.py)")
+        if growing:
+            self.task.check_capacity(self.capacity, widen(module, shapes), config, self.device)
+        x, y = self._padding_batch()
+        params, buffers = module_tensors(module)
+        problem = self._padding_problem(module, params, buffers, shapes, x, y)
+        if problem is not None:
+            problem = f"padded to its widths, {problem}"
+        elif growing:
+            for k in live:  # every member here is padded anew: each checked against the wider template
+                own_params = {n: self.stack.own_row(n, k) for n in self.stack.params}
+                own_buffers = {n: self.stack.own_row(n, k) for n in self.stack.buffers}
+                problem = self._padding_problem(self.stack.skeletons[k], own_params, own_buffers, shapes, x, y)
+                if problem is not None:
+                    problem = f"widening the bucket to its widths would change the member in slot {k}: {problem}"
+                    break
+        if problem is not None:
+            if self.padding_mismatch == "refuse" or self.routing.requested in _STACK_ROUTES:
+                raise ValueError(f"{where}: {problem}; it needs a bucket of its own widths")
+            # Taken: the eager route runs each member's own model at its own widths, always correct.
+            if self.routing.requested == "auto":
+                self.routing.reject("vmap", "padding", problem)
+                self.routing.settle("eager", RouteReason.PADDING_DISAGREES)
+        return widen(module, shapes) if growing else None
+
+    def _padding_problem(self, own: nn.Module, params, buffers, shapes, x, y) -> str | None:
+        return padding_disagreement(own, params, buffers, shapes, x, y, self._loss, self.task.precision,
+                                    self.device, PROBE_TOLERANCE[self.task.precision])
+
+    def _padding_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = first_batch(self._train, self._batch_size)
+        return x.to(self.device), y.to(self.device)
+
+    def _grow(self, template: nn.Module) -> None:
+        """Widen the stack and the optimizer state to ``template``'s shapes; the
+        routes are probed (and timed) again: the step costs more now."""
+        self.stack.grow(template)
+        self.optimizer.grow()
+        self.routing.seconds = {}
+
+    def _cost(self, shapes: dict) -> Cost:
+        if self._profile is None:
+            row = first_batch(self._train, 1)[0][0]
+            self._profile = Profile.of(self.stack.template, row)
+        return self._profile.cost(shapes, self.stack.params)
+
+    def padding_report(self) -> dict[int, dict[str, Any]]:
+        """What each live member pays for its padding: its own and the padded
+        parameter counts and estimated multiply-adds per sample (``None``: the
+        model's forward could not be profiled), and ``factor``, padded over own
+        (multiply-adds where known, else parameters). Empty before the first member."""
+        if self.stack is None:
+            return {}
+        padded = self._cost(self.stack.shapes)
+        out = {}
+        for k in self.live_slots:
+            own = self._cost(self.stack.own[k])
+            out[k] = {"own_params": own.params, "padded_params": padded.params, "own_macs": own.macs,
+                      "padded_macs": padded.macs, "factor": float(f"{padded.measure / own.measure:.4g}")}
+        return out
+
+    def describe_padding(self, slot: int) -> str:
+        """What the member in ``slot`` pays for its padding, in words."""
+        row = self.padding_report()[slot]
+        if row["factor"] == 1:
+            return f"slot {slot} runs at its own widths"
+        what = "multiply-adds per sample" if row["own_macs"] is not None else "parameters"
+        own, padded = ((row["own_macs"], row["padded_macs"]) if row["own_macs"] is not None
+                       else (row["own_params"], row["padded_params"]))
+        return (f"slot {slot} runs padded: {padded:.4g} {what} for its own {own:.4g} ({row['factor']:.3g}x; "
+                f"parameters {row['padded_params']} for its own {row['own_params']})")
 
     # ----- members out ----------------------------------------------------------------------------
     def retire(self, slot: int) -> None:
@@ -351,7 +470,7 @@ class Bucket:
             "seed": member.seed,
             "model": (self._state_dict_rows(slot) if self._state_names is not None
                       else self.export_model(slot).state_dict()),
-            "optimizer": self.optimizer.member_state(slot),
+            "optimizer": self.optimizer.member_state(slot, self.stack.own[slot]),
             "iteration": member.iteration,
             "step": member.step,
             "data": None if member.order is None else member.order.state_dict(),
@@ -363,8 +482,8 @@ class Bucket:
         # Tied parameters appear under each of their names, as in state_dict.
         rows = {}
         for key, name in self._state_names.items():
-            source = self.stack.params[name] if name in self.stack.params else self.stack.buffers[name]
-            rows[key] = source[slot].detach().to("cpu", copy=True)
+            # At the member's own widths (its corner of a padded stack).
+            rows[key] = self.stack.own_row(name, slot).detach().to("cpu", copy=True)
         return rows
 
     def export_model(self, slot: int) -> nn.Module:
@@ -739,7 +858,15 @@ class Bucket:
         # Sum, not mean, over members: each member's gradient keeps the scale of
         # its unfused run (a mean would divide every learning rate by K).
         torch.where(active, member_losses, torch.zeros_like(member_losses)).sum().backward()
-        self.optimizer.step(lr, active, live)
+        if self.stack.padded:
+            # Padded entries: no gradient in (not even into a member's clipping
+            # norm), and exactly zero after the update and the forward's
+            # BatchNorm statistics (chorus_tune/widths.py says why both).
+            self.stack.mask_gradients()
+            self.optimizer.step(lr, active, live)
+            self.stack.zero_padding()
+        else:
+            self.optimizer.step(lr, active, live)
         return member_losses
 
     @torch.no_grad()

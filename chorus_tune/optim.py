@@ -37,6 +37,7 @@ import torch
 
 from .rows import RowCopies, copy_rows, put_rows
 from .schedules import SCHEDULES, as_number, non_negative, schedule_from_config, scheduled_lr
+from .widths import Shape, corner, pad_into
 
 __all__ = [
     "FAMILIES", "HYPERPARAMETER_DEFAULTS", "OPTIMIZERS", "SCHEDULES", "OptimizerFamily", "OptimizerSnapshot",
@@ -445,18 +446,39 @@ class StackedOptimizer:
             self._without_buffer.add(slot)
         for name, per_param in self.state.items():
             for state_name, tensor in per_param.items():
-                tensor[slot].copy_(saved["tensors"][name][state_name])
+                # A narrower member's state fills the corner of a padded row (chorus_tune/widths.py).
+                pad_into(tensor[slot], saved["tensors"][name][state_name].to(tensor.device))
 
-    def member_state(self, slot: int) -> dict[str, Any]:
+    def member_state(self, slot: int, shapes: Mapping[str, Shape] | None = None) -> dict[str, Any]:
+        """``slot``'s optimizer state; ``shapes``: the member's own parameter
+        shapes, where the stack is padded (its state is given back at those)."""
+        def own(name: str, t: Tensor) -> Tensor:
+            row = t[slot].detach()
+            if shapes is not None and tuple(row.shape) != tuple(shapes[name]):
+                row = row[corner(tuple(shapes[name]))]
+            return row.cpu().clone()
+
         return {
             "family": self.family,
             "step": int(self.steps[slot].item()),
             "has_buffer": bool(self.has_buffer[slot].item()),
             "tensors": {
-                name: {s: t[slot].detach().cpu().clone() for s, t in per_param.items()}
+                name: {s: own(name, t) for s, t in per_param.items()}
                 for name, per_param in self.state.items()
             },
         }
+
+    def grow(self) -> None:
+        """Widen the state to the parameters' shapes after the stack grew
+        (``MemberStack.grow``): each member's state in the leading corner."""
+        for name, per_param in self.state.items():
+            shape = tuple(self.params[name].shape)
+            for state_name, t in per_param.items():
+                if tuple(t.shape) != shape:
+                    new = torch.zeros(shape, dtype=t.dtype, device=t.device)
+                    new[(slice(None), *corner(tuple(t.shape[1:])))] = t
+                    per_param[state_name] = new
+        self._gathered = None
 
     def tensors(self) -> list[Tensor]:
         """Every tensor of optimizer state, hyperparameters included."""

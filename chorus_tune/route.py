@@ -48,6 +48,7 @@ class RouteReason(enum.Enum):
     COMPILE_FAILED = "compile_failed"
     COMPILE_DISAGREES = "compile_disagrees"
     PROBE_OUT_OF_MEMORY = "probe_out_of_memory"
+    PADDING_DISAGREES = "padding_disagrees"
 
     @property
     def description(self) -> str:
@@ -65,12 +66,16 @@ _DESCRIPTIONS = {
                                    "not compiled",
     RouteReason.PROBE_OUT_OF_MEMORY: "the route probe ran out of memory even one member at a time: "
                                      "eager (always correct)",
+    RouteReason.PADDING_DISAGREES: "a member padded to the bucket's widths disagreed with its own model (the "
+                                   "padding check, docs/design.md D9): eager, each member its own model "
+                                   "(always correct)",
 }
 
 # The reason a rejected candidate gives, by how it was rejected.
 _REJECTED = {
     ("vmap", "disagrees"): RouteReason.DISAGREES, ("vmap", "failed"): RouteReason.VMAP_FAILED,
     ("compiled", "disagrees"): RouteReason.COMPILE_DISAGREES, ("compiled", "failed"): RouteReason.COMPILE_FAILED,
+    ("vmap", "padding"): RouteReason.PADDING_DISAGREES,
 }
 
 

@@ -20,6 +20,7 @@ from .compiling import CompiledCalls
 from .configuration import ModuleConfiguration, describe_difference, lift, lifted_settings, module_configuration
 from .losses import LossFn
 from .rows import RowCopies, copy_rows, put_rows
+from .widths import Shape, corner, describe_paddable, pad_into, pad_mask, padding_family, shapes_of
 
 Tensors = dict[str, torch.Tensor]
 
@@ -37,18 +38,43 @@ class StructuralKey(NamedTuple):
     # Every submodule's type and settings, the per-member (lifted) ones left out
     # (chorus_tune/configuration.py): who may share the vmap template.
     configuration: ModuleConfiguration = ()
+    # A sharing key's width group (width_rule.WidthGroups; :func:`sharing_key`):
+    # None in a member's own key, whose shapes say its widths.
+    width_group: int | None = None
 
 
 def describe_split(ours: StructuralKey, theirs: StructuralKey) -> str:
-    """Why members of these two keys cannot share a bucket, in words."""
+    """Why members of these two keys cannot share a bucket, in words. Widths
+    that pad (chorus_tune/widths.py) are no split: keys that differ only in
+    them are of one padded family, and whether those share is the sharing
+    rule's to say (chorus_tune/width_rule.py)."""
+    ours, theirs = padding_family(ours), padding_family(theirs)
     fields = [f for f in StructuralKey._fields if getattr(ours, f) != getattr(theirs, f)]
-    if fields == ["configuration"]:
-        return ("their module configurations differ in settings the stack cannot give each member: "
-                + describe_difference(ours.configuration, theirs.configuration))
-    names = {"model_class": "model class", "parameters": "parameters", "buffers": "buffers",
-             "batch_size": "batch size", "optimizer": "optimizer family", "loss": "loss", "data": "data",
-             "configuration": "module configuration"}
-    return "their " + ", ".join(names[f] for f in fields) + " differ"
+    if not fields:
+        return "they differ only in widths, which pad (docs/design.md D9)"
+    parts = []
+    if "configuration" in fields:
+        parts.append("their module configurations differ in settings the stack cannot give each member: "
+                     + describe_difference(ours.configuration, theirs.configuration))
+    if "parameters" in fields or "buffers" in fields:
+        parts.append(f"their shapes differ in {', '.join(_unpaddable_widths(ours, theirs))}, which cannot pad "
+                     f"(only the widths of {describe_paddable()} do)")
+    if "width_group" in fields and ours.width_group is not None and theirs.width_group is not None:
+        parts.append("their widths would cost more padded together than the width rule allows "
+                     "(chorus_tune/width_rule.py)")
+    names = {"model_class": "model class", "batch_size": "batch size", "optimizer": "optimizer family",
+             "loss": "loss", "data": "data"}
+    others = [names[f] for f in fields if f in names]
+    if others:
+        parts.append("their " + ", ".join(others) + " differ")
+    # Nothing but a width group against a key without one (a member's own key): widths, which pad.
+    return "; ".join(parts) or "they differ only in widths, which pad (docs/design.md D9)"
+
+
+def _unpaddable_widths(ours: StructuralKey, theirs: StructuralKey, limit: int = 3) -> list[str]:
+    differ = [f"{n} {tuple(s)} vs {tuple(s2)}" for (n, s, _), (_, s2, _) in
+              zip((*ours.parameters, *ours.buffers), (*theirs.parameters, *theirs.buffers)) if s != s2]
+    return differ[:limit] + ([f"{len(differ) - limit} more"] if len(differ) > limit else [])
 
 
 def structural_key(task, config: dict) -> StructuralKey:
@@ -68,6 +94,21 @@ def structural_key(task, config: dict) -> StructuralKey:
         # a real build gives the same shapes, or the factory's real error.
         module = task.build_model(config, seed=0)
     return module_key(task, config, module)
+
+
+def sharing_key(task, config: dict, groups) -> StructuralKey:
+    """Who may share a bucket, widths padding (docs/design.md D9): the config's
+    structural key with its widths left out (``widths.padding_family``) and its
+    width group in ``groups`` (a ``width_rule.WidthGroups``, which remembers
+    the widths it was shown, in order; priced by parameters) in their place.
+    Members of equal sharing keys share padded buckets: what the pool groups
+    trials by, and what ``space_split`` counts."""
+    from .widths import parameter_cost
+
+    key = structural_key(task, config)
+    family = padding_family(key)
+    group = groups.assign(family, shapes_of(key), parameter_cost(key), key.batch_size)
+    return family._replace(width_group=group)
 
 
 def module_key(task, config: dict, module: nn.Module) -> StructuralKey:
@@ -91,6 +132,11 @@ def module_tensors(module: nn.Module) -> tuple[Tensors, Tensors]:
     return dict(module.named_parameters()), dict(module.named_buffers())
 
 
+def module_shapes(module: nn.Module) -> dict[str, Shape]:
+    """``{name: shape}`` of every parameter and buffer of ``module``."""
+    return {n: tuple(t.shape) for n, t in (*module.named_parameters(), *module.named_buffers())}
+
+
 class MemberStack:
     """Stacked parameters and buffers of up to ``capacity`` members, plus each
     member's module skeleton (on the ``meta`` device: no second copy of weights).
@@ -100,6 +146,15 @@ class MemberStack:
     template's lifted modules read on the vmap routes. They are not member
     state: a member's come from its own module (its config), every time it is
     put in.
+
+    Members of other widths (chorus_tune/widths.py): the stack's tensors have
+    the template's (widest) shapes, and a narrower member fills the leading
+    corner of each (``own[slot]`` holds its own shapes). ``pad`` holds, for
+    every tensor some member is narrower in, a ``(capacity, ...)`` mask of the
+    entries its member does not have: :meth:`mask_gradients` zeroes their
+    gradients before an update and :meth:`zero_padding` their values after
+    it, so they stay exactly zero. The eager route runs each member's own
+    skeleton on its own corner; the vmap routes run the template on the whole.
 
     :meth:`call` runs a function of each member's output through one of the
     routes: ``"vmap"`` (one vmap'd call through the template skeleton),
@@ -120,6 +175,8 @@ class MemberStack:
             n: torch.zeros((capacity, *b.shape), dtype=b.dtype, device=device) for n, b in buffers.items()
         }
         self.skeletons: list[nn.Module | None] = [None] * capacity
+        self.own: list[dict[str, Shape] | None] = [None] * capacity  # each member's own shapes
+        self.pad: Tensors = {}
         # The vmap routes run every member through this one skeleton. One fixed
         # module (not the first live member's) so that a compiled call's guards
         # on it hold across membership changes; its lifted modules read each
@@ -133,29 +190,104 @@ class MemberStack:
         self.compiled = compiled if compiled is not None else CompiledCalls()
 
     # ----- members in and out -------------------------------------------------------------------
+    @property
+    def shapes(self) -> dict[str, Shape]:
+        """The stack's (padded) shape of every parameter and buffer, per member."""
+        return {n: tuple(t.shape[1:]) for n, t in (*self.params.items(), *self.buffers.items())}
+
     def put(self, slot: int, module: nn.Module) -> None:
+        """Put ``module``'s tensors (its own shapes, at most the stack's) into ``slot``."""
         params, buffers = module_tensors(module)
         with torch.no_grad():
             for n, p in params.items():
-                self.params[n][slot].copy_(p)
+                pad_into(self.params[n][slot], p)
             for n, b in buffers.items():
-                self.buffers[n][slot].copy_(b)
+                # Padded BatchNorm statistics are zeros too (running_var included): a
+                # padded channel that sees zeros keeps them, and the member's own are its own.
+                pad_into(self.buffers[n][slot], b)
             for n, value in lifted_settings(module).items():
                 self.settings[n][slot] = value
         self.skeletons[slot] = copy.deepcopy(module).to("meta")
+        self.own[slot] = module_shapes(module)
+        self._update_masks()
+
+    def own_row(self, name: str, slot: int) -> torch.Tensor:
+        """``slot``'s row of tensor ``name`` at the member's own shape (a view)."""
+        source = self.params[name] if name in self.params else self.buffers[name]
+        row = source[slot]
+        own = self.own[slot]
+        return row if own is None or tuple(row.shape) == own[name] else row[corner(own[name])]
 
     def load_into(self, slot: int, module: nn.Module) -> nn.Module:
-        """Copy ``slot``'s tensors into ``module`` (same structure), return it."""
+        """Copy ``slot``'s tensors into ``module`` (the member's structure, at its
+        own widths), return it."""
         params, buffers = module_tensors(module)
         with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(self.params[n][slot])
-            for n, b in buffers.items():
-                b.copy_(self.buffers[n][slot])
+            for n, t in (*params.items(), *buffers.items()):
+                t.copy_(self.own_row(n, slot))
         return module
 
     def clear(self, slot: int) -> None:
         self.skeletons[slot] = None
+        if self.own[slot] is not None:
+            self.own[slot] = None
+            self._update_masks()  # a frozen slot needs no mask: its padded entries are zero and stay so
+
+    # ----- padding (chorus_tune/widths.py) ---------------------------------------------------------
+    @property
+    def padded(self) -> bool:
+        """Whether some member here is narrower than the stack in some tensor."""
+        return bool(self.pad)
+
+    def _update_masks(self) -> None:
+        """``pad`` from each member's own shapes: a mask for every tensor some
+        member is narrower in (a slot with no member masks nothing: it is frozen)."""
+        shapes = self.shapes
+        narrow = {n for own in self.own if own is not None for n, s in own.items() if s != shapes[n]}
+        pad = {}
+        for n in sorted(narrow):
+            mask = torch.zeros((self.capacity, *shapes[n]), dtype=torch.bool, device=self.device)
+            for k, own in enumerate(self.own):
+                if own is not None and own[n] != shapes[n]:
+                    mask[k] = pad_mask(shapes[n], own[n], self.device)
+            pad[n] = mask
+        self.pad = pad
+
+    def mask_gradients(self) -> None:
+        """Zero the gradient of every padded entry. Needed, not cosmetic: a padded
+        unit's value can be nonzero (``sigmoid(0)``), and the next layer's padded
+        columns then get a gradient; it would also count in a member's clipping norm."""
+        for n, mask in self.pad.items():
+            p = self.params.get(n)
+            if p is not None and p.grad is not None:
+                p.grad.masked_fill_(mask, 0)
+
+    @torch.no_grad()
+    def zero_padding(self) -> None:
+        """Zero every padded entry of the parameters and buffers (after an update,
+        and after a forward that moved BatchNorm statistics): they stay exactly
+        zero whatever the update's arithmetic (weight decay, momentum, Adam)."""
+        for n, mask in self.pad.items():
+            (self.params[n] if n in self.params else self.buffers[n]).masked_fill_(mask, 0)
+
+    def grow(self, template: nn.Module) -> None:
+        """Widen the stack to ``template``'s shapes (each at least the stack's):
+        every member keeps its tensors in the leading corner, zeros around them.
+        The vmap routes' template becomes ``template``; compiled graphs (of the
+        old shapes) are dropped."""
+        params, buffers = module_tensors(template)
+        with torch.no_grad():
+            for store, wide in ((self.params, params), (self.buffers, buffers)):
+                for n, t in wide.items():
+                    old = store[n]
+                    if tuple(old.shape[1:]) == tuple(t.shape):
+                        continue
+                    new = torch.zeros((self.capacity, *t.shape), dtype=old.dtype, device=self.device)
+                    new[(slice(None), *corner(tuple(old.shape[1:])))] = old.detach()
+                    store[n] = new.requires_grad_(old.requires_grad)
+        self.template = lift(copy.deepcopy(template)).to("meta")
+        self.compiled = CompiledCalls(self.compiled.max_member_counts)
+        self._update_masks()
 
     def select(self, rows: list[int]) -> None:
         """Keep only ``rows`` (compaction), renumbered from 0."""
@@ -166,7 +298,9 @@ class MemberStack:
             }
             self.buffers = {n: b[index].clone() for n, b in self.buffers.items()}
             self.settings = {n: s[index].clone() for n, s in self.settings.items()}
+            self.pad = {n: m[index].clone() for n, m in self.pad.items()}
         self.skeletons = [self.skeletons[r] for r in rows]
+        self.own = [self.own[r] for r in rows]
         self.capacity = len(rows)
 
     def gathered(self, rows: list[int]) -> "MemberStack":
@@ -283,8 +417,9 @@ class MemberStack:
         slots not listed are zeros."""
         results = {}
         for k in slots:
-            params = {n: p[k] for n, p in self.params.items()}
-            buffers = {n: b[k] for n, b in self.buffers.items()}
+            # Each member's own corner of the padded tensors: its own model, at its own widths.
+            params = {n: self.own_row(n, k) for n in self.params}
+            buffers = {n: self.own_row(n, k) for n in self.buffers}
             xb, yb = (x, y) if shared else (x[k], y[k])
             results[k] = fn(functional_call(self.skeletons[k], (params, buffers), (xb,)), yb)
         template = next(iter(results.values()))

@@ -209,10 +209,13 @@ def test_config_whose_factory_raises_is_refused_with_that_error_and_bucket_uncha
 
 
 def test_config_of_another_structure_is_refused():
-    bucket = ct.Bucket(mlp_task(), 2)
-    bucket.add(dict(width=32, seed=0))
+    # Another depth: no padding makes these one structure (other widths pad: tests/test_widths.py).
+    task = ct.Task(lambda c: nn.Sequential(*[nn.Linear(64, 64) for _ in range(c["depth"])], nn.Linear(64, 10)),
+                   digits(), batch_size=64)
+    bucket = ct.Bucket(task, 2)
+    bucket.add(dict(depth=1, seed=0))
     with pytest.raises(ValueError, match="structure"):
-        bucket.add(dict(width=64, seed=1))
+        bucket.add(dict(depth=2, seed=1))
     assert len(bucket.live_slots) == 1
 
 

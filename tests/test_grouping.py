@@ -22,3 +22,10 @@ def test_a_structure_under_other_options_does_not_split_from_it():
 
 def test_a_first_key_splits_from_nothing():
     assert split_from(KEY, []) is None
+
+
+def test_widths_are_judged_for_the_gpu_where_a_bucket_claims_one():
+    from chorus_tune.tune.execution.grouping import width_device
+
+    assert width_device({"GPU": 0.5, "CPU": 1}) == "cuda"
+    assert width_device({"CPU": 1}) == "cpu"

@@ -24,17 +24,17 @@ def test_trials_of_one_structure_are_said_to_fuse():
 
 def test_a_width_and_the_batch_size_are_named_as_what_splits_and_lr_is_not():
     configs = [{"lr": 0.1 * (i + 1), "l1": l1, "batch_size": b}
-               for i, (l1, b) in enumerate([(16, 32), (32, 32), (16, 64), (64, 8)])]
+               for i, (l1, b) in enumerate([(16, 32), (256, 32), (16, 64), (256, 8)])]  # 16x apart: no padding
     split = split_of(TASK, configs)
     assert split.structures == 4 and not split.fuses
-    assert split.splitting == (("batch_size", 3), ("l1", 3))
+    assert split.splitting == (("batch_size", 3), ("l1", 2))
     message = split.message(16)
-    assert message.startswith("4 trials fall into 4 structures (batch_size takes 3 values, l1 takes 3 values; ")
+    assert message.startswith("4 trials fall into 4 structures (batch_size takes 3 values, l1 takes 2 values; ")
     assert message.endswith(": nothing will fuse, every trial trains in a bucket of its own")
 
 
 def test_structures_that_hold_several_trials_are_said_to_fuse_within_themselves():
-    configs = [{"lr": lr, "l1": l1} for l1 in (16, 32) for lr in (0.1, 0.01, 0.001)] + [{"lr": 0.5, "l1": 16}]
+    configs = [{"lr": lr, "l1": l1} for l1 in (16, 256) for lr in (0.1, 0.01, 0.001)] + [{"lr": 0.5, "l1": 16}]
     split = split_of(TASK, configs)
     assert split.sizes == (4, 3) and split.fuses and split.splitting == (("l1", 2),)
     assert "the largest structure holds 4 of them, the smallest 3" in split.message()
@@ -49,3 +49,12 @@ def test_tune_s_private_keys_are_ignored_and_a_config_that_cannot_build_is_count
     task = ct.Task(picky, digits())
     split = split_of(task, [{"l1": 16, "__trial_index__": 0}, {"l1": 16, "__trial_index__": 1}, {"l1": -1}])
     assert (split.trials, split.structures, split.unbuildable, split.splitting) == (3, 1, 1, ())
+
+
+def test_widths_that_pad_within_the_rule_do_not_split_and_widths_beyond_it_are_said():
+    # Parameters 74 * l1 + l1 + 10: 32 -> 2410, 128 -> 9610 (3.99x), 256 -> 19210 (8x 32's).
+    within = split_of(TASK, [{"lr": 0.1, "l1": l1} for l1 in (32, 64, 128)])
+    assert (within.structures, within.splitting) == (1, ())
+    apart = split_of(TASK, [{"lr": 0.1, "l1": l1} for l1 in (32, 64, 128, 256)])
+    assert (apart.structures, apart.sizes, apart.splitting) == (2, (3, 1), (("l1", 4),))
+    assert "their widths would cost more padded together than the width rule allows" in apart.message()

@@ -134,7 +134,8 @@ def test_under_chorus_search_ray_sees_the_cores_the_buckets_compute_on_in_use(tm
 
 def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_path):
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=3, max_buckets=4)
-    space = {"width": tune.grid_search([16, 24]), "lr": tune.grid_search([0.05, 0.1, 0.2, 0.3])}
+    # 16 and 256: too far apart to pad together (docs/design.md D9), so two structures.
+    space = {"width": tune.grid_search([16, 256]), "lr": tune.grid_search([0.05, 0.1, 0.2, 0.3])}
     results = _fit(trainable, space, tmp_path, iterations=2, num_samples=8, reuse_actors=True,
                    search_alg=ChorusSearch(task=trainable))
     assert not results.errors
@@ -146,10 +147,26 @@ def test_structures_get_separate_buckets_and_the_first_fills_to_capacity(tmp_pat
         widths = {width_of[t] for t in s["trials"]}
         assert len(widths) == 1  # one structure per bucket
         first_of_width.setdefault(widths.pop(), s)
-    assert set(first_of_width) == {16, 24}
+    assert set(first_of_width) == {16, 256}
     # Members seated while the first bucket of their width had room went into it.
     assert all(len(s["trials"]) >= 3 for s in first_of_width.values())
     assert max(r.metrics["chorus/live"] for r in results) <= 3
+
+
+def test_trials_of_widths_within_the_width_rule_share_one_padded_bucket_and_follow_their_references(tmp_path):
+    # docs/design.md D9: the MLP at width 20 padded to 64 costs 3.2x its own parameters, within 4x.
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=8)
+    space = {"width": tune.grid_search([20, 32, 48, 64]), "lr": tune.grid_search([0.05, 0.1]), "seed": 3}
+    results = _fit(trainable, space, tmp_path, iterations=2, num_samples=8, reuse_actors=True,
+                   search_alg=ChorusSearch(task=trainable))
+    assert len(results) == 8 and not results.errors
+    assert len({r.metrics["chorus/bucket"] for r in results}) == 1
+    for result in results:
+        config = {k: result.config[k] for k in ("width", "lr", "seed")}
+        expected, _ = reference.train(task, config, iterations=2)
+        torch.testing.assert_close(torch.tensor(history(result)), torch.tensor([h["val_loss"] for h in expected]),
+                                   rtol=1e-4, atol=1e-6)
 
 
 def test_reuse_actors_resets_into_new_members(tmp_path):

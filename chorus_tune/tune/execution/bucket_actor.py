@@ -111,6 +111,7 @@ class ChorusBucket:
         import torch
 
         from chorus_tune.bucket import Bucket
+        from chorus_tune.width_rule import NO_LIMIT
 
         resources = dict(options.resources_per_bucket or ())
         torch.set_num_threads(bucket_threads(resources))
@@ -127,7 +128,12 @@ class ChorusBucket:
         if self.choice.fell_back:
             logger.warning("%s: Ray gave it GPU %s (%s), but torch has no CUDA here: it trains on the CPU",
                            name, ",".join(self.choice.gpu_ids), self.choice.requested)
-        self.core = Bucket(task, options.bucket_size, device=self.device, route=options.route)
+        # Widths pad (docs/design.md D9): the pool sends only members its width groups
+        # put together (their padding within the width rule), so this bucket does not
+        # judge again; a member whose padding disagrees has no other bucket to go to,
+        # so this one runs eager instead.
+        self.core = Bucket(task, options.bucket_size, device=self.device, route=options.route,
+                           width_rule=NO_LIMIT, padding_mismatch="eager")
         self.book = MemberBook(max_queue=_MAX_QUEUE, gather_s=options.gather_s)
         self.clients: dict[str, ActorId | None] = {}  # member -> the id of the trial actor reading it
         self.retired: OrderedDict[str, dict] = OrderedDict()
@@ -266,6 +272,8 @@ class ChorusBucket:
                     logger.info("%s: structure %s; per member: %s; shared configuration: %s", self.name,
                                 self.model_name, ", ".join(self.core.stack.settings) or "nothing",
                                 "; ".join(self.core.describe_configuration()))
+                if self.core.stack.padded:  # what it pays for sharing a bucket of other widths (D9)
+                    logger.info("%s: member %s: %s", self.name, member, self.core.describe_padding(slot))
                 if self.book.max_queue == _MAX_QUEUE:
                     self._size_queue(slot)
         except Exception as exc:  # noqa: BLE001 - the factory (or state) is this member's problem only

@@ -1,22 +1,31 @@
 """Who shares a bucket, and when a bucket should shrink (Ray-free; the pool applies both)."""
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 
 class GroupKey(NamedTuple):
     """What the pool groups members by: a bucket holds members of one group.
 
-    ``structural_key`` decides (docs/design.md D9; a
-    ``chorus_tune.stack.StructuralKey``, which may not be imported here: this
-    module stays torch-free); ``model_name`` follows from it and names the
-    group in logs and bucket names.
+    ``structural_key`` decides (docs/design.md D9): the trial's sharing key
+    (``chorus_tune.stack.sharing_key``, which may not be imported here: this
+    module stays torch-free), its structure with the widths that pad left out
+    and its width group (``chorus_tune.width_rule.WidthGroups``, judged for
+    :func:`width_device`) in their place; ``model_name`` follows from it and
+    names the group in logs and bucket names.
     """
 
     task_id: str
     options: Any  # the run's BucketOptions: buckets of another run's options are not shared
     model_name: str
     structural_key: tuple
+
+
+def width_device(per_bucket: Mapping[str, float]) -> str:
+    """The device type the width rule judges a bucket of these resources for
+    (chorus_tune/width_rule.py: its launch-bound factor): ``"cuda"`` where it
+    claims a GPU."""
+    return "cuda" if per_bucket.get("GPU", 0) > 0 else "cpu"
 
 
 def should_compact(capacity: int, live: int, waiting: int) -> bool:

@@ -35,7 +35,7 @@ from ..observe.actor_log import log_to_actor_stdout
 from .bucket_history import BucketHistory
 from .closing import Watches, compact_after_s, compaction_due, idle_close_s, stays_idle
 from .cluster import node_cpus, pool_scheduling_strategy
-from .grouping import GroupKey, split_from
+from .grouping import GroupKey, split_from, width_device
 from .leaving import Leaving
 from .members import Plan
 from .opening import actor_options, bucket_options
@@ -195,6 +195,7 @@ class ChorusPool:
         # members whose placement failed, or that failed in their bucket: why, for a trial that asks later
         self._unplaced: dict[str, BaseException] = {}
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
+        self._width_groups: dict[str, Any] = {}  # device type -> the width_rule.WidthGroups trials are grouped in
         # ChorusSearch without task= (see ChorusSearch._send_scout): its scout
         # trials, and their members held back for their cohort.
         self.scouts = Scouts(lambda delay_s, callback: asyncio.get_running_loop().call_later(delay_s, callback))
@@ -229,7 +230,14 @@ class ChorusPool:
             # Successive runs in one driver may size their buckets differently.
             self.placement.max_buckets = self._budget(options)
         task = self.tasks[task_id_]
-        skey = task.structural_key(config)  # raises the factory's own error for a bad config
+        from chorus_tune.stack import sharing_key
+        from chorus_tune.width_rule import WidthGroups
+
+        # Widths pad: trials whose widths the width rule lets pad together share buckets
+        # (docs/design.md D9), grouped in the order they come. Raises the factory's own
+        # error for a bad config.
+        device = width_device(self._bucket_resources(options))
+        skey = sharing_key(task, config, self._width_groups.setdefault(device, WidthGroups(device_type=device)))
         key = GroupKey(task_id_, options, self._model_name(task, config), skey)
         if key not in self.key_info:
             _log_split(key, split_from(key, self.key_info))
@@ -874,7 +882,7 @@ class ChorusPool:
         return None if name is None else (name, self.handles.get(name))
 
     async def free_slots(self, structural_key: Hashable) -> int:
-        """Free slots in open buckets whose structural key is ``structural_key``."""
+        """Free slots in open buckets whose sharing key (``chorus_tune.stack.sharing_key``) is ``structural_key``."""
         if self.placement is None:
             return 0
         return sum(r.free for r in self.placement.buckets.values() if r.key.structural_key == structural_key)
@@ -976,7 +984,8 @@ def close_idle_buckets(timeout_s: float = 60.0) -> list[str]:
 
 
 def free_slots(structural_key: Hashable) -> int:
-    """Free slots in this run's open buckets of ``structural_key`` (0 when no pool runs)."""
+    """Free slots in this run's open buckets of ``structural_key``, a sharing key
+    (``chorus_tune.stack.sharing_key``; 0 when no pool runs)."""
     if not ray.is_initialized():
         return 0
     pool = get_pool(create=False)

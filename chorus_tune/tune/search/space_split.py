@@ -1,13 +1,19 @@
 """How a sweep's trials split into structures, in words (docs/design.md D9; Ray-free).
 
-Members share a bucket only when their structural keys are equal
-(``chorus_tune.stack.structural_key``): a config key that changes a parameter
-shape, the batch size or the optimizer family splits the sweep. A user who
+Members share a bucket only when their sharing keys are equal
+(``chorus_tune.stack.sharing_key``): a config key that changes a parameter
+shape other than a width that pads (docs/design.md D9), widths that would
+pad past the width rule's factor, the batch size or the optimizer family
+splits the sweep. Widths of Linear, Conv, BatchNorm and Embedding layers
+within the factor do not: those members share a padded bucket. The widths
+are grouped as the pool groups them, in the sample's order, as for a CPU
+(the driver does not know the buckets' device; on a GPU small models pad
+further, so a sweep splits no more than said). A user who
 sweeps such a key should hear it when the run starts, not find ``chorus/live``
 at 1 afterwards. :func:`split_of` reads a sample of the run's configs and says
 how many structures they fall into and which keys split them, by asking the
 key itself: a config key splits when changing it alone (from one config of
-the sample) changes the structural key. Models are built on the ``meta``
+the sample) changes the sharing key. Models are built on the ``meta``
 device, so this costs no memory and no initialisation.
 """
 from __future__ import annotations
@@ -16,7 +22,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from chorus_tune.stack import describe_split, structural_key
+from chorus_tune.stack import describe_split, sharing_key
+from chorus_tune.width_rule import WidthGroups
 
 # Values of one key tried against the base config: enough to see that a key splits.
 _VALUES_TRIED = 8
@@ -60,11 +67,12 @@ class SpaceSplit:
 def split_of(task: Any, configs: Sequence[dict]) -> SpaceSplit:
     """How ``configs`` (a sample of the run's, Tune's ``__`` keys allowed)
     split into structures for ``task``."""
+    groups = WidthGroups()
     keys: list[Any] = []
     built: list[dict] = []
     for config in configs:
         try:
-            keys.append(structural_key(task, config))
+            keys.append(sharing_key(task, config, groups))
         except Exception:  # noqa: BLE001 - a config that cannot build fails its own trial, with its own error
             continue
         built.append(config)
@@ -85,13 +93,19 @@ def _splitting_keys(task: Any, configs: list[dict], keys: list[Any]) -> tuple[tu
             continue
         for value in values[:_VALUES_TRIED]:
             try:
-                if structural_key(task, {**base, name: value}) != base_key:
+                if _apart(task, base, {**base, name: value}):
                     splitting.append((str(name), len(values)))
                     break
             except Exception:  # noqa: BLE001 - a combination no trial asked for may not build
                 continue
     other = next(k for k in keys if k != base_key)
     return tuple(splitting), describe_split(base_key, other)
+
+
+def _apart(task: Any, base: dict, other: dict) -> bool:
+    """Whether ``other`` cannot share a bucket with ``base``, the two alone."""
+    groups = WidthGroups()
+    return sharing_key(task, base, groups) != sharing_key(task, other, groups)
 
 
 def _distinct(values: list[Any]) -> list[Any]:

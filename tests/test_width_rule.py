@@ -1,0 +1,163 @@
+"""Which widths share a padded stack, and who is of one padded family (docs/design.md D9; Ray-free, no training)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import chorus_tune as ct
+from chorus_tune.stack import describe_split, structural_key
+from chorus_tune.width_rule import WidthGroups, WidthRule
+from chorus_tune.widths import Profile, padding_family, shapes_of, widest
+
+from models import digits
+
+
+def _key(factory, config=None):
+    return structural_key(ct.Task(factory, digits(), batch_size=32), config or {})
+
+
+def test_members_within_the_factor_share_on_a_cpu():
+    verdict = WidthRule().judge([100.0, 400.0], padded=400.0, device_type="cpu", batch=32)
+    assert verdict.shares and verdict.factors == (4.0, 1.0)
+
+
+def test_a_member_past_the_factor_on_a_cpu_does_not_share_and_the_reason_names_its_price():
+    verdict = WidthRule().judge([100.0, 500.0], padded=500.0, device_type="cpu", batch=32)
+    assert not verdict.shares
+    assert "a member costing 100 would cost 500 (5x its own; the limit on cpu is 4x)" in verdict.reason
+
+
+def test_a_launch_bound_step_on_a_gpu_allows_the_larger_factor():
+    rule = WidthRule(factor=4, launch_bound_factor=16, launch_bound_work=1e6)
+    assert rule.judge([100.0, 1000.0], padded=1000.0, device_type="cuda", batch=32).shares  # 32 * 1000 <= 1e6
+    assert not rule.judge([100.0, 1000.0], padded=1000.0, device_type="cpu", batch=32).shares
+
+
+def test_a_large_step_on_a_gpu_keeps_the_cpu_factor():
+    rule = WidthRule(factor=4, launch_bound_factor=16, launch_bound_work=1e6)
+    assert not rule.judge([1e4, 1e5], padded=1e5, device_type="cuda", batch=64).shares  # 64 * 1e5 > 1e6
+
+
+@pytest.mark.parametrize("field, value", [("factor", 0.5), ("launch_bound_factor", True), ("factor", "4")])
+def test_a_bad_rule_is_refused(field, value):
+    with pytest.raises(ValueError, match=field):
+        WidthRule(**{field: value})
+
+
+def _params(shapes):
+    return float(sum(math.prod(s) for s in shapes.values()))
+
+
+def _hidden(h):
+    """An MLP 64 -> h -> h -> 10's weights."""
+    return {"fc1": (h, 64), "fc2": (h, h), "out": (10, h)}
+
+
+def test_width_groups_pair_neighbours_of_a_doubling_sweep_in_the_order_they_come():
+    groups = WidthGroups()
+    assigned = [groups.assign("mlp", _hidden(h), _params, batch=64) for h in (32, 64, 128, 256)]
+    # 32 padded to 64 costs 2.6x its own, to 128 7.6x; 128 padded to 256 3.3x.
+    assert assigned == [0, 0, 1, 1]
+    assert "7.62x its own; the limit on cpu is 4x" in groups.reasons[("mlp", 1)]
+
+
+def test_the_same_widths_always_get_the_same_group_and_other_structures_their_own():
+    groups = WidthGroups()
+    first = groups.assign("mlp", _hidden(32), _params, batch=64)
+    groups.assign("mlp", _hidden(256), _params, batch=64)
+    assert groups.assign("mlp", _hidden(32), _params, batch=64) == first == 0
+    assert groups.assign("cnn", _hidden(256), _params, batch=64) == 0
+
+
+def test_a_newcomer_joins_a_group_only_if_every_member_stays_within_the_factor():
+    groups = WidthGroups(WidthRule(factor=4))
+    groups.assign("mlp", _hidden(32), _params, batch=64)
+    groups.assign("mlp", _hidden(64), _params, batch=64)
+    # 128 with 64 alone would be 2.9x, but 32 would pay 7.6x: it opens a group.
+    assert groups.assign("mlp", _hidden(128), _params, batch=64) == 1
+
+
+def test_on_a_gpu_small_widths_pad_further():
+    groups = WidthGroups(device_type="cuda")
+    assert {groups.assign("mlp", _hidden(h), _params, batch=64) for h in (32, 64, 128)} == {0}
+
+
+def _mlp(c):
+    return nn.Sequential(nn.Linear(64, c["h"]), nn.ReLU(), nn.Linear(c["h"], 10))
+
+
+def test_widths_of_linear_layers_are_one_padded_family():
+    narrow, wide = _key(_mlp, {"h": 16}), _key(_mlp, {"h": 32})
+    assert narrow != wide
+    assert padding_family(narrow) == padding_family(wide)
+    assert widest([shapes_of(narrow), shapes_of(wide)]) == shapes_of(wide)
+    assert describe_split(narrow, wide).startswith("they differ only in widths")
+
+
+def test_a_kernel_size_is_no_width():
+    a, b = _key(lambda c: nn.Conv2d(1, 4, c["k"]), {"k": 3}), _key(lambda c: nn.Conv2d(1, 4, c["k"]), {"k": 5})
+    assert padding_family(a) != padding_family(b)
+
+
+def test_a_grouped_convolution_does_not_pad():
+    def conv(c):
+        return nn.Conv2d(4, c["out"], 3, groups=2)
+
+    assert padding_family(_key(conv, {"out": 4})) != padding_family(_key(conv, {"out": 8}))
+
+
+def test_a_layernorm_over_a_width_is_another_family_and_the_split_names_it():
+    def ln(c):
+        return nn.Sequential(nn.Linear(64, c["h"]), nn.LayerNorm(c["h"]), nn.Linear(c["h"], 10))
+
+    a, b = _key(ln, {"h": 16}), _key(ln, {"h": 32})
+    assert padding_family(a) != padding_family(b)
+    assert "(LayerNorm).normalized_shape: (16) vs (32)" in describe_split(a, b)
+    assert "cannot pad" in describe_split(a, b)
+
+
+def test_a_subclass_of_linear_does_not_pad():
+    class MyLinear(nn.Linear):
+        pass
+
+    assert padding_family(_key(lambda c: MyLinear(64, c["h"]), {"h": 8})) != padding_family(
+        _key(lambda c: MyLinear(64, c["h"]), {"h": 16}))
+
+
+def test_the_profile_prices_a_convolution_by_its_output_positions():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Flatten(), nn.Linear(4 * 8 * 8, 10))
+    profile = Profile.of(model, torch.zeros(1, 8, 8))
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    cost = profile.cost(shapes, shapes)
+    assert cost.macs == 4 * 1 * 3 * 3 * 64 + 256 * 10
+    assert cost.params == sum(p.numel() for p in model.parameters())
+
+
+def test_a_model_that_cannot_run_on_meta_is_priced_by_its_parameters():
+    class DataDependent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.fc(x) * float(x.sum())  # .item() on meta raises
+
+    model = DataDependent()
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    cost = Profile.of(model, torch.zeros(4)).cost(shapes, shapes)
+    assert cost.macs is None and cost.measure == 10
+
+
+def test_the_sharing_key_groups_widths_within_the_rule_and_the_split_beyond_it_is_said():
+    from chorus_tune.stack import sharing_key
+
+    task = ct.Task(_mlp, digits(), batch_size=32)
+    groups = WidthGroups()
+    narrow, near, far = (sharing_key(task, {"h": h}, groups) for h in (20, 64, 256))
+    assert narrow == near != far
+    assert describe_split(narrow, far) == ("their widths would cost more padded together than the width rule "
+                                           "allows (chorus_tune/width_rule.py)")
+    assert describe_split(narrow, _key(_mlp, {"h": 256})).startswith("they differ only in widths")
