@@ -555,11 +555,16 @@ def fused_threads(device: str, parallel: int, cpus: int) -> int:
 
 
 def fused_blocks(task: ct.Task, configs: Sequence[dict], bucket_size: int) -> list[list[dict]]:
-    """The configs in buckets as the pool seats them: by structure (a width sweep is
-    several), each structure's in seating order, ``bucket_size`` at a time."""
+    """The configs in buckets as the pool seats them: by sharing key (widths the
+    width rule lets share pad into one stack, docs/design.md D9; the rest split),
+    each key's in seating order, ``bucket_size`` at a time."""
+    from chorus_tune.stack import sharing_key
+    from chorus_tune.width_rule import WidthGroups
+
+    widths = WidthGroups()  # on a CPU, as the pool's for CPU buckets
     groups: dict[Any, list[dict]] = {}
     for config in configs:
-        groups.setdefault(task.structural_key(config), []).append(config)
+        groups.setdefault(sharing_key(task, config, widths), []).append(config)
     return [group[i:i + bucket_size] for group in groups.values() for i in range(0, len(group), bucket_size)]
 
 

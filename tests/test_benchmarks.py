@@ -127,12 +127,17 @@ def test_the_ceiling_gets_the_threads_a_bucket_of_b_gets():
     assert vs_tune.fused_threads("cuda", parallel=1, cpus=16) == 1  # one CPU per bucket on a GPU
 
 
-def test_the_ceiling_seats_a_width_sweep_by_structure():
+def test_the_ceiling_seats_a_width_sweep_by_sharing_key_as_the_pool_does():
     sw = vs_tune.make_sweep("synth-mixed", 32)
     task = vs_tune.make_task("synth-mixed", 64)
     blocks = vs_tune.fused_blocks(task, sw.configs, 16)
-    assert sum(len(b) for b in blocks) == 32 and all(len(b) <= 16 for b in blocks)
-    assert all(len({c["width"] for c in b}) == 1 for b in blocks)
+    # widths 64 and 128 pad into one stack (docs/design.md D9): two full blocks
+    assert [len(b) for b in blocks] == [16, 16] and {c["width"] for c in blocks[0]} == {64, 128}
+    widths = vs_tune.make_sweep("synth-widths", 32)
+    blocks = vs_tune.fused_blocks(vs_tune.make_task("synth-widths", 64), widths.configs, 16)
+    # 32 against 256 is beyond the width rule's 4x: they split
+    assert sum(len(b) for b in blocks) == 32
+    assert not any({32, 256} <= {c["width"] for c in b} for b in blocks)
 
 
 # ----- issue 19's workload ------------------------------------------------------------------------
