@@ -83,7 +83,11 @@ class Plan:
     (see the module docstring); else at most ``run_ahead`` beyond the ask.
     ``stop_criteria``: ``(key, value)`` pairs of a stop dict; a result with
     ``result[key] >= value`` is the member's last (Tune's own rule,
-    ``Trial.should_stop``).
+    ``Trial.should_stop``). ``clear_after``: when speculating, an iteration is
+    known clear of Tune's decisions once this many of the run's trials were
+    continued past it and none of its stops made it a decision point
+    (:class:`StopRecord`); no member is computed past an iteration not known
+    clear before its own trial asks past it.
     """
 
     run_ahead: int = 2
@@ -95,8 +99,11 @@ class Plan:
     sign: float = 1.0
     speculate: bool = False
     stop_criteria: tuple[tuple[str, float], ...] = ()
+    clear_after: int = 4
 
     def __post_init__(self) -> None:
+        if self.clear_after < 1:
+            raise ValueError(f"clear_after must be at least 1; got {self.clear_after}")
         if self.run_ahead < 0:
             raise ValueError(f"run_ahead must be 0 or more; got {self.run_ahead}")
         if self.budget is not None and self.budget < 1:
@@ -218,6 +225,33 @@ class StopRecord:
                 return point
         return None
 
+    def continues(self, iteration: int) -> int:
+        """Trials of the run seen continued past ``iteration`` (here and elsewhere)."""
+        return self.continued.get(iteration, 0) + self.elsewhere[1].get(iteration, 0)
+
+    def clear(self, iteration: int, need: int) -> bool:
+        """Whether ``iteration`` is known clear of Tune's decisions: at least
+        ``need`` trials were continued past it, and its stops (if any) did not
+        make it a decision point."""
+        return self.continues(iteration) >= need and iteration not in self._points
+
+    def frontier(self, start: int, need: int) -> int:
+        """The first iteration at or after ``start`` not known clear: a learnt
+        decision point, or one too few trials were seen continued past."""
+        iteration = start
+        while self.clear(iteration, need):
+            iteration += 1
+        return iteration
+
+    def stopped_at(self, iteration: int) -> int:
+        """Trials of the run seen stopped after ``iteration`` (here and elsewhere)."""
+        return self.stopped.get(iteration, 0) + self.elsewhere[0].get(iteration, 0)
+
+    @property
+    def any_stopped(self) -> bool:
+        """Whether Tune was seen stopping any trial of the run early, anywhere."""
+        return bool(self.stopped) or any(n > 0 for n in self.elsewhere[0].values())
+
 
 class MemberBook:
     """The members of one bucket and the rules that move them.
@@ -236,6 +270,9 @@ class MemberBook:
         self.records: dict[str, MemberRecord] = {}
         self.wasted = 0
         self.stops = StopRecord()
+        # A continue the run's other buckets have not heard of and that may
+        # change what they know (the bucket actor sends its counts, then clears it).
+        self.news = False
         self._ready_since: float | None = None
 
     # ----- membership -------------------------------------------------------------------------------
@@ -329,14 +366,26 @@ class MemberBook:
         plan = record.plan
         if not plan.speculate:
             return min(cap, record.asked + plan.run_ahead)
-        # Tune decides after each result it reads; a learned decision point at
-        # or after what the trial asked for is where the member waits.
-        point = self.stops.next_point(max(record.asked, 1))
-        if point is not None and point < cap:
-            return point  # at or after max(asked, 1): never below what the trial asked for
-        if cap != math.inf:
-            return cap
-        return record.asked + plan.run_ahead  # nothing known ahead: the run_ahead bound
+        start = max(record.asked, 1)  # iteration 1 is never wasted: every started trial reads it
+        if cap == math.inf:
+            # No cap known: a learned decision point ahead, else the run_ahead bound.
+            point = self.stops.next_point(start)
+            return point if point is not None else record.asked + plan.run_ahead
+        # Tune decides after each result it reads. Past what its trial asked
+        # for, a member goes no further than the first iteration not known
+        # clear: a learned decision point, or one too few of the run's trials
+        # were seen continued past (Stock ASHA continues a rung's first
+        # arrivals, so one continue says nothing; FIFO continues every trial).
+        reach = self.stops.frontier(start, plan.clear_after)
+        if not self.stops.any_stopped:
+            # No trial of the run was stopped early anywhere (FIFO so far):
+            # beyond the first iteration, compute one past the evidence, so
+            # the bucket trains while the trials read (their round trip hides
+            # behind an iteration) instead of idling each iteration for it.
+            first = self.stops.frontier(1, plan.clear_after)
+            if first >= 2:
+                reach = max(reach, first + 1)
+        return min(cap, reach)  # at or after max(asked, 1): never below what the trial asked for
 
     def runnable(self) -> list[MemberRecord]:
         return [r for r in self.in_slots() if r.phase is Phase.TRAINING and r.produced < self.limit(r)]
@@ -349,10 +398,21 @@ class MemberBook:
             # (which builds it) is moments away; trials started together then
             # train together from their first iteration.
             return not record.building
-        # Blocked only because its (live, keeping-up) trial has not asked yet.
-        return (record.phase is Phase.TRAINING and record.attached
-                and record.produced >= self.limit(record)
-                and (record.plan.budget is None or record.produced < record.plan.budget))
+        if (record.phase is not Phase.TRAINING or record.produced < self.limit(record)
+                or (record.plan.budget is not None and record.produced >= record.plan.budget)):
+            return False
+        # Blocked only because its (live, keeping-up) trial has not asked yet,
+        # or only for want of evidence: the run's trials deciding the iteration
+        # it waits at may continue them, clearing it (never at a learnt point).
+        return record.attached or self._awaits_evidence(record)
+
+    def _awaits_evidence(self, record: MemberRecord) -> bool:
+        """A speculating member stopped at an iteration that is neither known
+        clear nor a learnt decision point: more continues there would free it."""
+        plan = record.plan
+        return (plan.speculate and not plan.bucket_decides and plan.run_ahead > 0
+                and plan.budget is not None and record.hold_at is None
+                and self.stops.next_point(record.produced) != record.produced)
 
     def riders(self, chosen: list[MemberRecord]) -> list[MemberRecord]:
         """Members that may ride along in an iteration that runs anyway: held
@@ -482,6 +542,9 @@ class MemberBook:
         if record.asked == record.taken:
             if record.taken >= 1:
                 self.stops.cont(record.taken)  # Tune let it past its last result
+                if (self.stops.continues(record.taken) <= record.plan.clear_after
+                        or self.stops.stopped_at(record.taken)):
+                    self.news = True  # it may clear the iteration (or unlearn a point) in other buckets too
             record.asked += 1
         if record.hold_at is not None and record.asked > record.hold_at:
             # Tune continued a member held alone at a rung.

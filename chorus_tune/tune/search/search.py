@@ -37,8 +37,17 @@ _SPLIT_SAMPLE = 64
 
 
 
+# Trials seen continued past an iteration that clear it for speculation
+# (docs/design.md D4): stock ASHA continues all of a rung's first k arrivals
+# with probability 1/k!, so 4 leave 1 run in 24 to speculate past its first
+# rung. The default concurrency is at least this, so that under FIFO the
+# trials in flight clear every iteration without waiting for trials to end.
+CLEAR_AFTER = 4
+
+
 def _default_concurrency() -> int:
-    return max(1, int(ray.cluster_resources().get("CPU", 1))) if ray.is_initialized() else (os.cpu_count() or 1)
+    cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else (os.cpu_count() or 1)
+    return max(CLEAR_AFTER, cpus)
 
 
 def grid_size(space: Dict) -> int:
@@ -366,7 +375,8 @@ class ChorusSearch(ConcurrencyLimiter):
     def _plan(self):
         budget = self.max_iterations
         return self._options.plan(run_plan.announced(), budget=budget, stop_at=self._stop_at,
-                                  stop_criteria=self._stop_criteria)
+                                  stop_criteria=self._stop_criteria,
+                                  clear_after=min(CLEAR_AFTER, self.max_concurrent))
 
     def _seat(self, drawn: List[Tuple[str, Dict]]) -> None:
         if not self.seating or not drawn:
