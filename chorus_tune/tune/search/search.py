@@ -375,8 +375,11 @@ class ChorusSearch(ConcurrencyLimiter):
     def _plan(self):
         budget = self.max_iterations
         return self._options.plan(run_plan.announced(), budget=budget, stop_at=self._stop_at,
-                                  stop_criteria=self._stop_criteria,
-                                  clear_after=min(CLEAR_AFTER, self.max_concurrent))
+                                  stop_criteria=self._stop_criteria, clear_after=self._plan_clear_after())
+
+    def _plan_clear_after(self) -> int:
+        # No more continues than trials in flight: FIFO would wait for trials to end.
+        return min(CLEAR_AFTER, self.max_concurrent)
 
     def _seat(self, drawn: List[Tuple[str, Dict]]) -> None:
         if not self.seating or not drawn:
