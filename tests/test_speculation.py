@@ -459,3 +459,24 @@ def test_a_continue_past_an_iteration_already_clear_is_no_news():
     book.ask("m0")
     book.ask("m0")
     assert not book.news
+
+
+def test_once_the_run_stops_trials_a_continued_member_runs_ahead_of_its_trial_by_run_ahead():
+    # A survivor of a rung: only its own trial reads what it computes ahead,
+    # so a stop there wastes run_ahead at most; never past a learnt point.
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 2)
+    book.stops.stop(1)
+    book.stops.stop(4)
+    run_until_idle(book)
+    for member in ("m0", "m1"):
+        book.attach(member)
+        book.ask(member)
+    book.ask("m0")  # continued past 1: asks for 2
+    run_until_idle(book)
+    assert book.get("m0").produced == 4  # 2 + run_ahead, and the point 4
+    book.ask("m0")
+    book.ask("m0")
+    book.ask("m0")
+    assert book.ask("m0") is None  # continued past 4: asks for 5
+    run_until_idle(book)
+    assert book.get("m0").produced == 7 and book.get("m1").produced == 1

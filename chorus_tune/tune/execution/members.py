@@ -377,7 +377,15 @@ class MemberBook:
         # were seen continued past (Stock ASHA continues a rung's first
         # arrivals, so one continue says nothing; FIFO continues every trial).
         reach = self.stops.frontier(start, plan.clear_after)
-        if not self.stops.any_stopped:
+        if self.stops.any_stopped:
+            if record.asked >= 2:
+                # Its trial was continued past a decision already (a survivor):
+                # it runs up to run_ahead past its ask, never past a learnt
+                # point, instead of one round trip per iteration. Only its own
+                # trial reads that, so a stop there wastes run_ahead at most.
+                point = self.stops.next_point(start)
+                reach = max(reach, min(record.asked + plan.run_ahead, math.inf if point is None else point))
+        else:
             # No trial of the run was stopped early anywhere (FIFO so far):
             # beyond the first iteration, compute one past the evidence, so
             # the bucket trains while the trials read (their round trip hides
