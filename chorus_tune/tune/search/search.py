@@ -127,7 +127,7 @@ class ChorusSearch(ConcurrencyLimiter):
     it is bound to an already seated member (one with a bucket first), so
     trial actors only read results: a sweep needs about as many trial
     processes as plain Tune would run (``max_concurrent_trials``, default one
-    per CPU), whatever the bucket size. Results and completions reach the
+    per CPU and at least 4), whatever the bucket size. Results and completions reach the
     inner searcher per trial, under the ids it suggested.
 
     Args:
@@ -140,7 +140,9 @@ class ChorusSearch(ConcurrencyLimiter):
             and everything after behaves exactly as with ``task=``). A run whose
             trainable is not a ChorusTrainable gets a warning and no seating.
         max_concurrent_trials: trials Tune runs at once (each is a process
-            that reads results). Default: the cluster's CPUs.
+            that reads results). Default: the cluster's CPUs, at least
+            ``CLEAR_AFTER`` (4): under FIFO the trials in flight clear each
+            iteration for the members to train past (docs/design.md D4).
         max_iterations: an iteration budget for every trial (else the
             trainable's ``max_iterations``), saying nothing else ends a trial
             early. Not needed for speed: with a run's
