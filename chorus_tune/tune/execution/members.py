@@ -18,15 +18,20 @@ How far a member may run ahead of its trial (its *limit*, an iteration number):
   trial asks past it (Tune's scheduler continued it).
 * **Decisions only Tune makes** (Tune's default FIFO scheduler, stock ASHA,
   HyperBand, median stopping, PBT, stoppers): the bucket cannot tell a FIFO run
-  from one that stops trials early, so it *speculates* (``Plan.speculate``):
-  a member trains on to its cap (a ``stop={"training_iteration": n}`` the run
-  gave) without waiting for its trial, except past the iterations at which
-  Tune has been seen stopping this bucket's trials early (the *learned
-  decision points*, :class:`StopRecord`): there it waits for its trial's
-  decision. Under FIFO no trial is stopped early, so nothing is wasted and
-  members never wait; under stock ASHA the bucket learns its rungs from the
-  first trials it stops. Where no cap is known and no decision point lies
-  ahead, a member runs at most ``run_ahead`` beyond what its trial asked for.
+  from one that stops trials early, so it *speculates on evidence*
+  (``Plan.speculate``): every member trains to iteration 1 (every trial Tune
+  starts reads it), and past what its trial asked for no further than the
+  first iteration not *known clear* (:meth:`StopRecord.frontier`): one fewer
+  than ``Plan.clear_after`` of the run's trials were seen continued past, or
+  a *learned decision point* (:class:`StopRecord`: Tune was seen stopping
+  trials there). Under FIFO the trials in flight clear every iteration, and
+  while nothing was stopped the bucket computes one iteration past the
+  evidence, so members train at full fusion and nothing is wasted; under
+  stock ASHA members wait at its first rung for its trials' decisions. Once
+  the run stops trials, a member whose trial was continued past a decision
+  runs up to ``run_ahead`` past its ask (never past a learned point). Without
+  a cap (a stop dict's ``training_iteration``), a member runs to a learned
+  point ahead, else at most ``run_ahead`` beyond what its trial asked for.
   ``speculate=False`` keeps that ``run_ahead`` bound everywhere (a stopped
   trial then wastes at most ``run_ahead``); ``run_ahead=0`` is strict lockstep:
   an iteration is computed only once its trial asked for it.
@@ -258,8 +263,10 @@ class MemberBook:
 
     ``max_queue``: at most this many results wait per member (the memory bound
     of running ahead). ``gather_s``: an iteration waits this long for members
-    whose trial is about to ask (so trials in step with each other train in
-    one fused iteration), never for a member that lagged last time.
+    whose trial is about to ask, or whose next iteration the run's trials
+    deciding now may clear (so trials in step with each other, and members
+    continued together, train in one fused iteration), never for a member
+    left out last time.
     """
 
     def __init__(self, max_queue: int = 64, gather_s: float = 0.05):
