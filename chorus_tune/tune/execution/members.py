@@ -431,8 +431,8 @@ class MemberBook:
 
     def riders(self, chosen: list[MemberRecord]) -> list[MemberRecord]:
         """Members that may ride along in an iteration that runs anyway: held
-        back only at a learnt decision point (their trial's decision is Tune's
-        and not made yet), still short of their cap. Where the fused step
+        back only at a decision point or for want of evidence (their trial's
+        decision is Tune's and not made yet), still short of their cap. Where the fused step
         computes every row of the stack, masked or not, a rider costs nothing
         but its result's snapshot; if Tune then stops its trial at the point,
         what it rode is wasted (at most cap - point iterations, counted)."""

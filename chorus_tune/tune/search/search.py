@@ -380,8 +380,9 @@ class ChorusSearch(ConcurrencyLimiter):
                                   stop_criteria=self._stop_criteria, clear_after=self._plan_clear_after())
 
     def _plan_clear_after(self) -> int:
-        # No more continues than trials in flight: FIFO would wait for trials to end.
-        return min(CLEAR_AFTER, self.max_concurrent)
+        # No more continues than trials in flight (FIFO would wait for trials
+        # to end), nor than the run has trials.
+        return max(1, min(CLEAR_AFTER, self.max_concurrent, self._budget or CLEAR_AFTER))
 
     def _seat(self, drawn: List[Tuple[str, Dict]]) -> None:
         if not self.seating or not drawn:
