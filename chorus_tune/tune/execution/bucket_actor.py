@@ -449,7 +449,7 @@ class ChorusBucket:
         evidence (docs/design.md D4): they hear this bucket's counts."""
         if self.book.news and self._pool is not None:
             self.book.news = False
-            self._pool.stops_seen.remote(self.name, self.book.stops.stopped, self.book.stops.continued)
+            self._pool.stops_seen.remote(self.name, dict(self.book.stops.stopped), dict(self.book.stops.continued))
 
     def _as_read(self, member: str, entry) -> dict[str, Any]:
         record = self.book.get(member)
