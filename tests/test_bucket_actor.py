@@ -458,6 +458,39 @@ def test_a_member_that_fails_tells_the_pool_its_error_for_a_trial_that_asks_late
     assert re.search("negative dimension|-3", str(error))
 
 
+def test_a_continue_that_may_clear_an_iteration_reaches_the_pool_and_evidence_from_elsewhere_frees_members():
+    # Speculation on evidence (docs/design.md D4): a, b and c train to 1 at
+    # once; past it they wait for two of the run's trials continued past each
+    # iteration. a's trial is continued past 1 here (news for the run's other
+    # buckets); another bucket's trials clear 1 and 2: b and c train to the cap.
+    plan = Plan(run_ahead=2, budget=3, speculate=True, clear_after=2)
+
+    async def scenario():
+        bucket = make_bucket(3, route="vmap")
+        bucket._pool = notices = _NoticesTaken()
+        await seat(bucket, "abc", plan)
+        reads = {m: [] for m in "abc"}
+        reads["a"].append(await bucket.next_result("a"))
+        await until(lambda: all(bucket.book.get(m).produced == 1 for m in "abc"))
+        second = asyncio.create_task(bucket.next_result("a"))  # Tune continued a past 1
+        await until(lambda: any(len(sent) == 3 for sent in notices.sent))
+        held = {m: bucket.book.get(m).produced for m in "bc"}
+        await bucket.stops_elsewhere({}, {1: 1, 2: 2})
+        reads["a"].append(await second)
+        await until(lambda: all(bucket.book.get(m).produced == 3 for m in "bc"))
+        for m in "bc":
+            reads[m] += [await bucket.next_result(m) for _ in range(3)]
+        return [sent for sent in notices.sent if len(sent) == 3], held, reads
+
+    news, held, reads = asyncio.run(scenario())
+    assert news[0] == ("test-bucket", {}, {1: 1})
+    assert held == {"b": 1, "c": 1}
+    for m, results in reads.items():
+        assert [r["iteration"] for r in results] == list(range(1, len(results) + 1)), m
+        for ours, theirs in zip(results, reference_history(m, len(results))):
+            assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL), (m, ours["iteration"])
+
+
 def test_an_error_that_does_not_pickle_reaches_the_pool_as_its_type_and_message():
     from chorus_tune.tune.execution.bucket_actor import _portable
 

@@ -58,10 +58,22 @@ def test_is_a_concurrency_limiter_whose_limit_is_the_trials_tune_runs_at_once():
     assert isinstance(s, ConcurrencyLimiter) and s.max_concurrent == 3
 
 
-def test_by_default_tune_runs_one_trial_per_cpu():
+def test_by_default_tune_runs_one_trial_per_cpu_and_at_least_the_trials_that_clear_an_iteration():
     import os
 
-    assert ChorusSearch().max_concurrent == (os.cpu_count() or 1)
+    from chorus_tune.tune.search.search import CLEAR_AFTER
+
+    # Under FIFO the trials in flight clear each iteration for speculation
+    # (docs/design.md D4): fewer than CLEAR_AFTER would wait for trials to end.
+    assert ChorusSearch().max_concurrent == max(CLEAR_AFTER, os.cpu_count() or 1)
+
+
+def test_members_are_seated_to_clear_an_iteration_on_at_most_the_trials_in_flight_and_in_the_run():
+    assert ChorusSearch(max_concurrent_trials=2)._plan_clear_after() == 2
+    assert ChorusSearch(max_concurrent_trials=16)._plan_clear_after() == 4
+    small = ChorusSearch(max_concurrent_trials=16)
+    small.set_search_properties(None, None, {}, num_samples=3)
+    assert small._plan_clear_after() == 3  # nor on more trials than the run has
 
 
 def test_no_more_trials_than_the_limit_run_at_once():

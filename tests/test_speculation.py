@@ -3,6 +3,9 @@ run's cap without waiting for their trials, except past the iterations where
 the bucket has seen Tune stop trials early (docs/design.md D4)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import pytest
 from test_members import book_with, run, run_until_idle
 
 from chorus_tune.tune.execution.members import MemberBook, Phase, Plan, StopRecord, sum_counts
@@ -18,18 +21,36 @@ def read_all(book: MemberBook, member: str) -> int:
     return n
 
 
-def test_with_a_cap_and_nothing_learnt_members_train_to_the_cap_without_their_trials():
+def follow(book: MemberBook, member: str) -> int:
+    """The member's trial reads it to its end, the bucket training whenever it
+    may in between (Tune continues it at every result); returns the reads."""
+    book.attach(member)
+    n = 0
+    while not book.exhausted(member):
+        if book.ask(member) is not None:
+            n += 1
+        else:
+            run(book)
+    return n
+
+
+def clear_elsewhere(book: MemberBook, iterations, n: int = 4) -> None:
+    """The run's other buckets saw ``n`` trials continued past each of ``iterations``."""
+    book.stops.seen_elsewhere({}, {t: n for t in iterations})
+
+
+def test_with_a_cap_and_nothing_learnt_members_train_together_to_the_first_iteration_and_no_further():
+    # Every trial Tune starts reads its first result, whatever the scheduler:
+    # iteration 1 is never wasted. Past it, nothing is known yet.
     book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 4)
-    assert run_until_idle(book) == 10
-    assert all(book.get(f"m{i}").phase is Phase.FINISHED for i in range(4))
+    assert run_until_idle(book) == 1
+    assert [book.get(f"m{i}").produced for i in range(4)] == [1, 1, 1, 1]
 
 
 def test_a_fifo_run_read_to_the_cap_wastes_nothing():
     book = book_with(Plan(run_ahead=2, budget=6, speculate=True), 3)
-    run_until_idle(book)
     for i in range(3):
-        book.attach(f"m{i}")
-        assert read_all(book, f"m{i}") == 6
+        assert follow(book, f"m{i}") == 6
         book.leave(f"m{i}")
     assert book.wasted == 0 and book.stops.points == ()
 
@@ -63,7 +84,9 @@ def test_members_wait_at_a_learnt_decision_point_for_their_trials():
     book.stops.stop(1)
     assert run_until_idle(book) == 1
     assert [book.get(f"m{i}").produced for i in range(3)] == [1, 1, 1]
-    # Tune continued m0 past 1: it trains on, to the cap (no point ahead is known).
+    # Tune continued m0 past 1: it trains on, to the cap (no point ahead is
+    # known, and the run's trials were seen continued past every iteration after 1).
+    clear_elsewhere(book, range(2, 10))
     book.attach("m0")
     assert book.ask("m0").iteration == 1
     assert book.ask("m0") is None
@@ -75,6 +98,7 @@ def test_a_continued_trial_speculates_only_to_the_next_learnt_point():
     book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 1)
     book.stops.stop(1)
     book.stops.stop(4)
+    clear_elsewhere(book, (2, 3))
     book.attach("m0")
     run(book)
     book.ask("m0")
@@ -85,9 +109,7 @@ def test_a_continued_trial_speculates_only_to_the_next_learnt_point():
 
 def test_a_finished_member_leaving_teaches_nothing():
     book = book_with(Plan(run_ahead=2, budget=3, speculate=True), 1)
-    book.attach("m0")
-    run_until_idle(book)
-    read_all(book, "m0")
+    follow(book, "m0")
     book.leave("m0")
     assert book.stops.points == ()
 
@@ -207,3 +229,254 @@ def test_a_member_stopped_at_a_rung_by_its_bucket_teaches_nothing():
     assert book.ask("m3").iteration == 1
     book.leave("m3")  # halved at the rung: its end was the bucket's
     assert book.stops.points == ()
+
+
+# ----- evidence: what clears an iteration -------------------------------------------------------
+def test_one_trial_continued_past_an_iteration_does_not_clear_it():
+    # Stock ASHA continues a rung's first arrival whatever it scored.
+    stops = StopRecord()
+    stops.cont(1)
+    assert not stops.clear(1, need=4) and stops.frontier(1, need=4) == 1
+
+
+def test_an_iteration_is_clear_once_enough_trials_continued_past_it():
+    stops = StopRecord()
+    for _ in range(4):
+        stops.cont(1)
+    stops.cont(2)
+    assert stops.clear(1, need=4) and stops.frontier(1, need=4) == 2
+
+
+def test_a_learnt_decision_point_is_never_clear_however_many_continued():
+    stops = StopRecord(min_stop_rate=0.1)
+    stops.stop(1)
+    for _ in range(5):
+        stops.cont(1)
+    assert stops.points == (1,) and not stops.clear(1, need=4)
+
+
+def test_continues_seen_in_other_buckets_clear_an_iteration_here():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True, clear_after=4), 2)
+    run_until_idle(book)
+    clear_elsewhere(book, (1,), n=3)
+    assert book.runnable() == []
+    clear_elsewhere(book, (1,), n=4)
+    assert {r.member for r in book.runnable()} == {"m0", "m1"}
+
+
+def test_members_speculate_past_an_iteration_once_it_is_known_clear():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 3)
+    book.stops.stop(5)  # the run stops trials somewhere: no computing past the evidence
+    run_until_idle(book)
+    clear_elsewhere(book, (1, 2, 3))
+    run_until_idle(book)
+    assert [book.get(f"m{i}").produced for i in range(3)] == [4, 4, 4]
+
+
+def test_without_any_stop_seen_the_bucket_computes_one_iteration_past_the_evidence():
+    # FIFO so far: the members train while the trials read, not after each read.
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 2)
+    run_until_idle(book)
+    clear_elsewhere(book, (1,))
+    run_until_idle(book)
+    assert [book.get(f"m{i}").produced for i in range(2)] == [3, 3]
+
+
+def test_the_first_iteration_is_not_computed_past_before_its_evidence_even_without_a_stop():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 2)
+    run_until_idle(book)
+    clear_elsewhere(book, (1,), n=3)
+    assert book.runnable() == []
+
+
+def test_a_trial_continued_past_an_unclear_iteration_trains_its_member_there_and_no_further():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 2)
+    run_until_idle(book)
+    book.attach("m0")
+    book.ask("m0")
+    book.ask("m0")  # continued past 1: its trial asked for 2, nothing known of 2
+    run_until_idle(book)
+    assert book.get("m0").produced == 2 and book.get("m1").produced == 1
+
+
+def test_a_plan_must_clear_an_iteration_on_at_least_one_continue():
+    with pytest.raises(ValueError, match="clear_after"):
+        Plan(clear_after=0)
+
+
+# ----- holding: members that evidence may free are waited for, with a deadline ------------------
+def _continued_past_1(n: int, gather_s: float = 1.0) -> MemberBook:
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), n, gather_s=gather_s)
+    run_until_idle(book)
+    book.attach("m0")
+    book.ask("m0")
+    book.ask("m0")  # Tune continued m0 past 1; m1.. wait for the run's evidence there
+    return book
+
+
+def test_an_iteration_waits_for_members_the_deciding_trials_may_yet_clear():
+    book = _continued_past_1(3)
+    assert book.next_iteration(0.0) == ([], 1.0)
+    clear_elsewhere(book, (1,))
+    chosen, wait = book.next_iteration(0.2)
+    assert wait is None and sorted(r.member for r in chosen) == ["m0", "m1", "m2"]
+
+
+def test_the_wait_for_evidence_ends_at_its_deadline():
+    book = _continued_past_1(3)
+    assert book.next_iteration(0.0) == ([], 1.0)
+    chosen, wait = book.next_iteration(1.0)
+    assert wait is None and [r.member for r in chosen] == ["m0"]
+    book.started(chosen)
+    assert book.get("m1").lagging  # not waited for again until it trains
+
+
+def test_members_at_a_learnt_decision_point_are_not_waited_for():
+    book = _continued_past_1(3)
+    book.stops.stop(1)  # a trial stopped at 1: only its trials decide the rest there
+    chosen, wait = book.next_iteration(0.0)
+    assert wait is None and [r.member for r in chosen] == ["m0"]
+
+
+# ----- whole sweeps, Tune's decisions simulated ------------------------------------------------
+def fifo(member: str, iteration: int, score: float) -> bool:
+    return True
+
+
+def stock_asha(rungs=(1, 4), rf: float = 4.0):
+    """Stock ASHA's rule (mode max): at a rung, continue iff the score is at
+    least the (1 - 1/rf) percentile of every score recorded there so far."""
+    recorded = {r: [] for r in rungs}
+
+    def decide(member, iteration, score):
+        if iteration not in recorded:
+            return True
+        recorded[iteration].append(score)
+        values = sorted(recorded[iteration])
+        q = (1 - 1 / rf) * (len(values) - 1)  # numpy's linear percentile
+        lo = int(q)
+        cutoff = values[lo] + (q - lo) * (values[min(lo + 1, len(values) - 1)] - values[lo])
+        return score >= cutoff
+    return decide
+
+
+@dataclass
+class Sweep:
+    book: MemberBook
+    lives: list[int]  # members each fused iteration trained
+    stopped_early: int  # trials Tune stopped before the cap
+
+    @property
+    def trained(self) -> int:
+        return sum(self.lives)
+
+
+def sweep(decide, n: int = 16, cap: int = 10, in_flight: int = 4, seed: int = 0,
+          clear_after: int = 4, staggered: bool = False) -> Sweep:
+    """``n`` members seated in one bucket, Tune running ``in_flight`` trials at
+    once in seat order, deciding after each result. Tune reads faster than the
+    bucket trains, or (``staggered``) the bucket trains whatever it may after
+    each decision Tune makes."""
+    import random
+
+    draw = random.Random(seed)
+    base = {f"m{i}": draw.random() for i in range(n)}
+
+    def score(member: str, iteration: int) -> float:  # a member's own level, and noise per iteration
+        return base[member] + 0.3 * random.Random(f"{seed}-{member}-{iteration}").random()
+
+    book = book_with(Plan(run_ahead=2, budget=cap, speculate=True, clear_after=clear_after), n)
+    waiting, flying, lives, stopped = [f"m{i}" for i in range(n)], [], [], 0
+    while waiting or flying:
+        while waiting and len(flying) < in_flight:
+            flying.append(waiting.pop(0))
+            book.attach(flying[-1])
+        moved = False
+        for member in list(flying):
+            entry = book.ask(member)
+            if entry is None:
+                if book.exhausted(member):
+                    flying.remove(member)
+                    book.leave(member)
+                    moved = True
+                continue
+            moved = True
+            if entry.iteration == cap:
+                flying.remove(member)
+                book.leave(member)
+            elif not decide(member, entry.iteration, score(member, entry.iteration)):
+                stopped += 1
+                flying.remove(member)
+                book.leave(member)
+            if staggered and book.runnable():
+                lives.append(len(run(book, now=float(len(lives)))))
+        if not moved:
+            assert book.runnable(), "the sweep stalled"
+            lives.append(len(run(book, now=float(len(lives)))))
+    return Sweep(book, lives, stopped)
+
+
+def test_a_fifo_sweep_trains_every_member_in_every_fused_iteration_and_wastes_nothing():
+    result = sweep(fifo)
+    assert result.book.wasted == 0
+    assert result.lives == [16] * 10
+
+
+def test_under_stock_asha_members_wait_at_its_first_rung_when_one_of_its_first_trials_is_stopped():
+    result = sweep(stock_asha(), n=32, seed=0)
+    assert result.stopped_early > 0 and result.book.wasted == 0
+    assert result.lives[0] == 32  # every member's first iteration, in one fused iteration
+    assert result.book.stops.points == (1, 4)
+
+
+@pytest.mark.parametrize("staggered", [False, True], ids=["tune_reads_first", "bucket_trains_between_reads"])
+def test_under_stock_asha_waste_is_rare_and_always_within_the_bound(staggered):
+    # Speculation passes a rung only where its first clear_after arrivals all
+    # continued (stock ASHA continues the k-th only if it is the best so far).
+    results = [sweep(stock_asha(), n=32, seed=seed, staggered=staggered) for seed in range(60)]
+    wasteful = [r for r in results if r.book.wasted > 0.1 * r.trained]
+    assert len(wasteful) <= 0.1 * len(results)
+    assert sum(r.book.wasted for r in results) <= 0.1 * sum(r.trained for r in results)
+    for r in results:  # README's bound: a trial stopped at t wastes at most cap - t
+        assert r.book.wasted <= r.stopped_early * (10 - 1)
+
+
+def test_a_continue_that_may_clear_an_iteration_is_news_for_the_runs_other_buckets():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 1)
+    run(book)
+    book.attach("m0")
+    book.ask("m0")
+    assert not book.news  # its first read: nothing decided yet
+    book.ask("m0")  # continued past 1
+    assert book.news
+
+
+def test_a_continue_past_an_iteration_already_clear_is_no_news():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 1)
+    run(book)
+    clear_elsewhere(book, (1,), n=4)
+    book.attach("m0")
+    book.ask("m0")
+    book.ask("m0")
+    assert not book.news
+
+
+def test_once_the_run_stops_trials_a_continued_member_runs_ahead_of_its_trial_by_run_ahead():
+    # A survivor of a rung: only its own trial reads what it computes ahead,
+    # so a stop there wastes run_ahead at most; never past a learnt point.
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 2)
+    book.stops.stop(1)
+    book.stops.stop(4)
+    run_until_idle(book)
+    for member in ("m0", "m1"):
+        book.attach(member)
+        book.ask(member)
+    book.ask("m0")  # continued past 1: asks for 2
+    run_until_idle(book)
+    assert book.get("m0").produced == 4  # 2 + run_ahead, and the point 4
+    book.ask("m0")
+    book.ask("m0")
+    book.ask("m0")
+    assert book.ask("m0") is None  # continued past 4: asks for 5
+    run_until_idle(book)
+    assert book.get("m0").produced == 7 and book.get("m1").produced == 1

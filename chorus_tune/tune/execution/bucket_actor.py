@@ -441,6 +441,7 @@ class ChorusBucket:
             previous.set_exception(MemberError(f"member {member} asked bucket {self.name} again before its "
                                                "last request was answered"))
         entry = self.book.ask(member)  # raises the member's build error
+        self._send_stops_news()
         if entry is not None:
             self._poke()
             return self._as_read(member, entry)
@@ -450,6 +451,13 @@ class ChorusBucket:
         self._waiters[member] = future
         self._poke()
         return await future
+
+    def _send_stops_news(self) -> None:
+        """Tune continued a trial where the run's other buckets still wait for
+        evidence (docs/design.md D4): they hear this bucket's counts."""
+        if self.book.news and self._pool is not None:
+            self.book.news = False
+            self._pool.stops_seen.remote(self.name, dict(self.book.stops.stopped), dict(self.book.stops.continued))
 
     def _as_read(self, member: str, entry) -> dict[str, Any]:
         record = self.book.get(member)

@@ -18,15 +18,20 @@ How far a member may run ahead of its trial (its *limit*, an iteration number):
   trial asks past it (Tune's scheduler continued it).
 * **Decisions only Tune makes** (Tune's default FIFO scheduler, stock ASHA,
   HyperBand, median stopping, PBT, stoppers): the bucket cannot tell a FIFO run
-  from one that stops trials early, so it *speculates* (``Plan.speculate``):
-  a member trains on to its cap (a ``stop={"training_iteration": n}`` the run
-  gave) without waiting for its trial, except past the iterations at which
-  Tune has been seen stopping this bucket's trials early (the *learned
-  decision points*, :class:`StopRecord`): there it waits for its trial's
-  decision. Under FIFO no trial is stopped early, so nothing is wasted and
-  members never wait; under stock ASHA the bucket learns its rungs from the
-  first trials it stops. Where no cap is known and no decision point lies
-  ahead, a member runs at most ``run_ahead`` beyond what its trial asked for.
+  from one that stops trials early, so it *speculates on evidence*
+  (``Plan.speculate``): every member trains to iteration 1 (every trial Tune
+  starts reads it), and past what its trial asked for no further than the
+  first iteration not *known clear* (:meth:`StopRecord.frontier`): one fewer
+  than ``Plan.clear_after`` of the run's trials were seen continued past, or
+  a *learned decision point* (:class:`StopRecord`: Tune was seen stopping
+  trials there). Under FIFO the trials in flight clear every iteration, and
+  while nothing was stopped the bucket computes one iteration past the
+  evidence, so members train at full fusion and nothing is wasted; under
+  stock ASHA members wait at its first rung for its trials' decisions. Once
+  the run stops trials, a member whose trial was continued past a decision
+  runs up to ``run_ahead`` past its ask (never past a learned point). Without
+  a cap (a stop dict's ``training_iteration``), a member runs to a learned
+  point ahead, else at most ``run_ahead`` beyond what its trial asked for.
   ``speculate=False`` keeps that ``run_ahead`` bound everywhere (a stopped
   trial then wastes at most ``run_ahead``); ``run_ahead=0`` is strict lockstep:
   an iteration is computed only once its trial asked for it.
@@ -83,7 +88,11 @@ class Plan:
     (see the module docstring); else at most ``run_ahead`` beyond the ask.
     ``stop_criteria``: ``(key, value)`` pairs of a stop dict; a result with
     ``result[key] >= value`` is the member's last (Tune's own rule,
-    ``Trial.should_stop``).
+    ``Trial.should_stop``). ``clear_after``: when speculating, an iteration is
+    known clear of Tune's decisions once this many of the run's trials were
+    continued past it and none of its stops made it a decision point
+    (:class:`StopRecord`); no member is computed past an iteration not known
+    clear before its own trial asks past it.
     """
 
     run_ahead: int = 2
@@ -95,8 +104,11 @@ class Plan:
     sign: float = 1.0
     speculate: bool = False
     stop_criteria: tuple[tuple[str, float], ...] = ()
+    clear_after: int = 4
 
     def __post_init__(self) -> None:
+        if self.clear_after < 1:
+            raise ValueError(f"clear_after must be at least 1; got {self.clear_after}")
         if self.run_ahead < 0:
             raise ValueError(f"run_ahead must be 0 or more; got {self.run_ahead}")
         if self.budget is not None and self.budget < 1:
@@ -218,14 +230,43 @@ class StopRecord:
                 return point
         return None
 
+    def continues(self, iteration: int) -> int:
+        """Trials of the run seen continued past ``iteration`` (here and elsewhere)."""
+        return self.continued.get(iteration, 0) + self.elsewhere[1].get(iteration, 0)
+
+    def clear(self, iteration: int, need: int) -> bool:
+        """Whether ``iteration`` is known clear of Tune's decisions: at least
+        ``need`` trials were continued past it, and its stops (if any) did not
+        make it a decision point."""
+        return self.continues(iteration) >= need and iteration not in self._points
+
+    def frontier(self, start: int, need: int) -> int:
+        """The first iteration at or after ``start`` not known clear: a learnt
+        decision point, or one too few trials were seen continued past."""
+        iteration = start
+        while self.clear(iteration, need):
+            iteration += 1
+        return iteration
+
+    def stopped_at(self, iteration: int) -> int:
+        """Trials of the run seen stopped after ``iteration`` (here and elsewhere)."""
+        return self.stopped.get(iteration, 0) + self.elsewhere[0].get(iteration, 0)
+
+    @property
+    def any_stopped(self) -> bool:
+        """Whether Tune was seen stopping any trial of the run early, anywhere."""
+        return bool(self.stopped) or any(n > 0 for n in self.elsewhere[0].values())
+
 
 class MemberBook:
     """The members of one bucket and the rules that move them.
 
     ``max_queue``: at most this many results wait per member (the memory bound
     of running ahead). ``gather_s``: an iteration waits this long for members
-    whose trial is about to ask (so trials in step with each other train in
-    one fused iteration), never for a member that lagged last time.
+    whose trial is about to ask, or whose next iteration the run's trials
+    deciding now may clear (so trials in step with each other, and members
+    continued together, train in one fused iteration), never for a member
+    left out last time.
     """
 
     def __init__(self, max_queue: int = 64, gather_s: float = 0.05):
@@ -236,6 +277,9 @@ class MemberBook:
         self.records: dict[str, MemberRecord] = {}
         self.wasted = 0
         self.stops = StopRecord()
+        # A continue the run's other buckets have not heard of and that may
+        # change what they know (the bucket actor sends its counts, then clears it).
+        self.news = False
         self._ready_since: float | None = None
 
     # ----- membership -------------------------------------------------------------------------------
@@ -329,14 +373,34 @@ class MemberBook:
         plan = record.plan
         if not plan.speculate:
             return min(cap, record.asked + plan.run_ahead)
-        # Tune decides after each result it reads; a learned decision point at
-        # or after what the trial asked for is where the member waits.
-        point = self.stops.next_point(max(record.asked, 1))
-        if point is not None and point < cap:
-            return point  # at or after max(asked, 1): never below what the trial asked for
-        if cap != math.inf:
-            return cap
-        return record.asked + plan.run_ahead  # nothing known ahead: the run_ahead bound
+        start = max(record.asked, 1)  # iteration 1 is never wasted: every started trial reads it
+        if cap == math.inf:
+            # No cap known: a learned decision point ahead, else the run_ahead bound.
+            point = self.stops.next_point(start)
+            return point if point is not None else record.asked + plan.run_ahead
+        # Tune decides after each result it reads. Past what its trial asked
+        # for, a member goes no further than the first iteration not known
+        # clear: a learned decision point, or one too few of the run's trials
+        # were seen continued past (Stock ASHA continues a rung's first
+        # arrivals, so one continue says nothing; FIFO continues every trial).
+        reach = self.stops.frontier(start, plan.clear_after)
+        if self.stops.any_stopped:
+            if record.asked >= 2:
+                # Its trial was continued past a decision already (a survivor):
+                # it runs up to run_ahead past its ask, never past a learnt
+                # point, instead of one round trip per iteration. Only its own
+                # trial reads that, so a stop there wastes run_ahead at most.
+                point = self.stops.next_point(start)
+                reach = max(reach, min(record.asked + plan.run_ahead, math.inf if point is None else point))
+        else:
+            # No trial of the run was stopped early anywhere (FIFO so far):
+            # beyond the first iteration, compute one past the evidence, so
+            # the bucket trains while the trials read (their round trip hides
+            # behind an iteration) instead of idling each iteration for it.
+            first = self.stops.frontier(1, plan.clear_after)
+            if first >= 2:
+                reach = max(reach, first + 1)
+        return min(cap, reach)  # at or after max(asked, 1): never below what the trial asked for
 
     def runnable(self) -> list[MemberRecord]:
         return [r for r in self.in_slots() if r.phase is Phase.TRAINING and r.produced < self.limit(r)]
@@ -349,15 +413,26 @@ class MemberBook:
             # (which builds it) is moments away; trials started together then
             # train together from their first iteration.
             return not record.building
-        # Blocked only because its (live, keeping-up) trial has not asked yet.
-        return (record.phase is Phase.TRAINING and record.attached
-                and record.produced >= self.limit(record)
-                and (record.plan.budget is None or record.produced < record.plan.budget))
+        if (record.phase is not Phase.TRAINING or record.produced < self.limit(record)
+                or (record.plan.budget is not None and record.produced >= record.plan.budget)):
+            return False
+        # Blocked only because its (live, keeping-up) trial has not asked yet,
+        # or only for want of evidence: the run's trials deciding the iteration
+        # it waits at may continue them, clearing it (never at a learnt point).
+        return record.attached or self._awaits_evidence(record)
+
+    def _awaits_evidence(self, record: MemberRecord) -> bool:
+        """A speculating member stopped at an iteration that is neither known
+        clear nor a learnt decision point: more continues there would free it."""
+        plan = record.plan
+        return (plan.speculate and not plan.bucket_decides and plan.run_ahead > 0
+                and plan.budget is not None and record.hold_at is None
+                and self.stops.next_point(record.produced) != record.produced)
 
     def riders(self, chosen: list[MemberRecord]) -> list[MemberRecord]:
         """Members that may ride along in an iteration that runs anyway: held
-        back only at a learnt decision point (their trial's decision is Tune's
-        and not made yet), still short of their cap. Where the fused step
+        back only at a decision point or for want of evidence (their trial's
+        decision is Tune's and not made yet), still short of their cap. Where the fused step
         computes every row of the stack, masked or not, a rider costs nothing
         but its result's snapshot; if Tune then stops its trial at the point,
         what it rode is wasted (at most cap - point iterations, counted)."""
@@ -482,6 +557,9 @@ class MemberBook:
         if record.asked == record.taken:
             if record.taken >= 1:
                 self.stops.cont(record.taken)  # Tune let it past its last result
+                if (self.stops.continues(record.taken) <= record.plan.clear_after
+                        or self.stops.stopped_at(record.taken)):
+                    self.news = True  # it may clear the iteration (or unlearn a point) in other buckets too
             record.asked += 1
         if record.hold_at is not None and record.asked > record.hold_at:
             # Tune continued a member held alone at a rung.

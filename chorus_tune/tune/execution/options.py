@@ -120,7 +120,8 @@ class BucketOptions:
         return tuple(sorted((str(k), float(v)) for k, v in resources_per_bucket.items()))
 
     def plan(self, schedule: "RungSchedule | None" = None, budget: int | None = None,
-             stop_at: int | None = None, stop_criteria: tuple[tuple[str, float], ...] = ()) -> Plan:
+             stop_at: int | None = None, stop_criteria: tuple[tuple[str, float], ...] = (),
+             clear_after: int = Plan.clear_after) -> Plan:
         """The member plan these options give, with a scheduler's rungs if any.
 
         ``budget``: an iteration budget given elsewhere (ChorusSearch), taking
@@ -128,9 +129,13 @@ class BucketOptions:
         stop of the run: nothing trains past it. Where Tune's scheduler decides
         the rest, members speculate up to it (``speculate``). ``stop_criteria``:
         the run's stop dict on other keys, checked by the bucket on each result.
+        ``clear_after``: the trials seen continued past an iteration that clear
+        it for speculation (at most the trials Tune runs at once, or FIFO waits
+        for trials to end before its members may train on).
         """
         budget = budget if budget is not None else self.max_iterations
-        common = dict(run_ahead=self.run_ahead, speculate=self.speculate, stop_criteria=tuple(stop_criteria))
+        common = dict(run_ahead=self.run_ahead, speculate=self.speculate, stop_criteria=tuple(stop_criteria),
+                      clear_after=clear_after)
         if schedule is not None:
             caps = [b for b in (budget, schedule.max_t, stop_at) if b is not None]
             return Plan(budget=min(caps), bucket_decides=True,

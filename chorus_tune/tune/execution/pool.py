@@ -432,7 +432,8 @@ class ChorusPool:
 
     # ----- what the run's buckets learn of Tune's decisions ----------------------------------------
     async def stops_seen(self, name: str, stopped: dict[int, int], continued: dict[int, int]) -> None:
-        """Bucket ``name`` saw Tune stop a trial early: tell the run's other buckets."""
+        """Bucket ``name`` saw Tune stop a trial early, or continue one where the run still gathers
+        evidence (docs/design.md D4): tell the run's other buckets."""
         self._stops.seen(name, stopped, continued)
         for other in list(self.handles):
             if other != name:

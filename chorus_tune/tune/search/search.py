@@ -37,8 +37,17 @@ _SPLIT_SAMPLE = 64
 
 
 
+# Trials seen continued past an iteration that clear it for speculation
+# (docs/design.md D4): stock ASHA continues all of a rung's first k arrivals
+# with probability 1/k!, so 4 leave 1 run in 24 to speculate past its first
+# rung. The default concurrency is at least this, so that under FIFO the
+# trials in flight clear every iteration without waiting for trials to end.
+CLEAR_AFTER = 4
+
+
 def _default_concurrency() -> int:
-    return max(1, int(ray.cluster_resources().get("CPU", 1))) if ray.is_initialized() else (os.cpu_count() or 1)
+    cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else (os.cpu_count() or 1)
+    return max(CLEAR_AFTER, cpus)
 
 
 def grid_size(space: Dict) -> int:
@@ -118,7 +127,7 @@ class ChorusSearch(ConcurrencyLimiter):
     it is bound to an already seated member (one with a bucket first), so
     trial actors only read results: a sweep needs about as many trial
     processes as plain Tune would run (``max_concurrent_trials``, default one
-    per CPU), whatever the bucket size. Results and completions reach the
+    per CPU and at least 4), whatever the bucket size. Results and completions reach the
     inner searcher per trial, under the ids it suggested.
 
     Args:
@@ -131,7 +140,9 @@ class ChorusSearch(ConcurrencyLimiter):
             and everything after behaves exactly as with ``task=``). A run whose
             trainable is not a ChorusTrainable gets a warning and no seating.
         max_concurrent_trials: trials Tune runs at once (each is a process
-            that reads results). Default: the cluster's CPUs.
+            that reads results). Default: the cluster's CPUs, at least
+            ``CLEAR_AFTER`` (4): under FIFO the trials in flight clear each
+            iteration for the members to train past (docs/design.md D4).
         max_iterations: an iteration budget for every trial (else the
             trainable's ``max_iterations``), saying nothing else ends a trial
             early. Not needed for speed: with a run's
@@ -366,7 +377,12 @@ class ChorusSearch(ConcurrencyLimiter):
     def _plan(self):
         budget = self.max_iterations
         return self._options.plan(run_plan.announced(), budget=budget, stop_at=self._stop_at,
-                                  stop_criteria=self._stop_criteria)
+                                  stop_criteria=self._stop_criteria, clear_after=self._plan_clear_after())
+
+    def _plan_clear_after(self) -> int:
+        # No more continues than trials in flight (FIFO would wait for trials
+        # to end), nor than the run has trials.
+        return max(1, min(CLEAR_AFTER, self.max_concurrent, self._budget or CLEAR_AFTER))
 
     def _seat(self, drawn: List[Tuple[str, Dict]]) -> None:
         if not self.seating or not drawn:
