@@ -72,6 +72,10 @@ def test_the_pbt_sweeps_settings_keep_rounding_noise_ten_times_under_its_toleran
 
 
 def test_the_relu_mlp_at_lr_0_5_lets_rounding_noise_pass_the_tolerance():
-    # The settings the PBT test had: the measurement above does see chaos
-    # (6.2e-5 at iteration 4 on this seed and reordering).
-    assert _drift(digits_task(model=mlp), {"lr": 0.5, "momentum": 0.9}, 942482346, reorderings=(2,)) > PBT_RESULT_TOL
+    # The settings the PBT test had: the measurement above does see chaos. Which
+    # reordering shows it on a seed depends on the host's kernels (on an AVX-512
+    # host reordering 2 of the first seed gave 6.2e-5; on an AMD EPYC host it gave
+    # 1.1e-6, and reordering 1 6.3e-5, the second seed 8.2e-5), so every
+    # reordering of both ReLU seeds is measured and the largest must pass.
+    task, config = digits_task(model=mlp), {"lr": 0.5, "momentum": 0.9}
+    assert max(_drift(task, config, seed) for seed in SENSITIVE[:2]) > PBT_RESULT_TOL
