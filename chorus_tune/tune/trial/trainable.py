@@ -122,6 +122,9 @@ class ChorusTrainable(Trainable):
     memory_fraction: float = BucketOptions.memory_fraction
     memory_meter: Any = None
 
+    # False: one call to the bucket per result, as before results were fetched
+    # ahead (kept to measure one against the other in one run; docs/design.md D3).
+    _read_ahead: bool = True
     _task_blob: bytes | None = None
     _factory_blob: bytes | None = None
     _task_id: str | None = None
@@ -241,9 +244,13 @@ class ChorusTrainable(Trainable):
             # Every result queued for the member, in one call: the call costs
             # more than Tune's own work per result. The bucket learns here how
             # far Tune read the last ones.
-            results = ray.get(self._bucket.next_results.remote(self._member, join, current_actor_id(),
-                                                               self._reads.read),
-                              timeout=self.result_timeout_s)
+            if self._read_ahead:
+                results = ray.get(self._bucket.next_results.remote(self._member, join, current_actor_id(),
+                                                                   self._reads.read),
+                                  timeout=self.result_timeout_s)
+            else:
+                results = [ray.get(self._bucket.next_result.remote(self._member, join, current_actor_id()),
+                                   timeout=self.result_timeout_s)]
         except RayActorError as exc:
             self._lost_bucket(exc)
         except Evicted:
