@@ -29,9 +29,8 @@
             threads a bucket of (b) gets: the ceiling for (b).
 floor       Tune's own floor (way ``floor``, not run by default): a no-op function
             trainable reporting as many results as (a), under the same search,
-            scheduler, stop dict and resources. Beside (b)'s ms per result (on a
-            workload whose training keeps ahead of Tune), it says what reading a
-            result costs over Tune's own handling of it.
+            scheduler, stop dict and resources. Beside (b)'s ms per queued result,
+            its own says what reading a result costs over Tune's handling of it.
 
 Schedulers (``--scheduler`` or the rows of ``--rows``): ``fifo`` (Tune's
 default), ``asha`` (stock ``ASHAScheduler`` in (a), ``ChorusASHA`` in (b)),
@@ -111,14 +110,11 @@ class Outcome:
     mean_rows: float | None = None  # (b): mean chorus/rows (rows computed) over the same iterations
     last_result_s: float | None = None  # start to the last result
     # Mean ms from the result Tune received last (any trial) to each result that
-    # is not its trial's first (a first one waits for the trial to start and join).
-    # Where training keeps ahead of Tune (the floor computes nothing; (b) on a tiny
-    # workload: ``--workload tab-mlp2 --n-train 512``), what one result costs to
-    # read, Tune's driver included; elsewhere it holds waits for training too.
+    # was computed before its trial asked for it (its trial's last result said
+    # chorus/ahead >= 1; the floor computes nothing: every result) and is not its
+    # trial's first (that one waits for the trial to start and join): what one
+    # result costs to read, Tune's driver included. None for (a): it trains in step.
     read_ms: float | None = None
-    # Mean ms of the trial's step (Tune's time_this_iter_s) for the same results:
-    # the trial's own part of it (for (b), its calls to the bucket).
-    step_ms: float | None = None
     settle_s: float = 0.0  # waited before the run for the cluster to be free again
     settled: bool = True  # False: the wait timed out (the run shared the machine with leftovers)
     threads: int | None = None  # (c): torch threads per process
@@ -329,10 +325,11 @@ def settle(timeout_s: float, poll_s: float = 0.2) -> tuple[float, bool]:
         time.sleep(poll_s)
 
 
-def make_timeline():
+def make_timeline(all_queued: bool = False):
     """A Tune callback (in the driver) that records when results arrive and the most
     ``chorus/wasted`` each bucket reported: the run's start-up is ``fit()`` to the
-    first result, what follows is training and Tune's driver."""
+    first result, what follows is training and Tune's driver. ``all_queued``: every
+    result counts as computed before it was asked for (the floor's no-op trainable)."""
     from ray import tune
 
     class Timeline(tune.Callback):
@@ -340,9 +337,9 @@ def make_timeline():
             self.first: float | None = None
             self.last: float | None = None
             self.results = 0
-            self._seen: set[str] = set()  # trials that reported already
+            self.all_queued = all_queued
+            self._ahead: dict[str, int] = {}  # trial -> chorus/ahead of its last result
             self.gaps: list[float] = []
-            self.steps: list[float] = []
             self.wasted: dict[str, int] = {}
             # (bucket, bucket iteration) -> (chorus/live, chorus/rows) of the fused
             # iteration that computed a result Tune received.
@@ -350,11 +347,11 @@ def make_timeline():
 
         def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
             now = time.perf_counter()
-            if trial.trial_id in self._seen and self.last is not None:
+            before = self._ahead.get(trial.trial_id)  # None: the trial's first result
+            if before is not None and (self.all_queued or before >= 1) and self.last is not None:
                 self.gaps.append(now - self.last)
-                if isinstance(result.get("time_this_iter_s"), (int, float)):
-                    self.steps.append(float(result["time_this_iter_s"]))
-            self._seen.add(trial.trial_id)
+            ahead = result.get("chorus/ahead")
+            self._ahead[trial.trial_id] = int(ahead) if isinstance(ahead, (int, float)) else 0
             self.first = now if self.first is None else self.first
             self.last = now
             self.results += 1
@@ -367,12 +364,8 @@ def make_timeline():
                 self.iterations[(bucket, int(result["chorus/bucket_iteration"]))] = (live, rows)
 
         def read_ms(self) -> float | None:
-            """Mean ms to each result but a trial's first (see Outcome.read_ms)."""
+            """Mean ms to each result computed before it was asked for (see Outcome.read_ms)."""
             return 1000 * statistics.mean(self.gaps) if self.gaps else None
-
-        def step_ms(self) -> float | None:
-            """Mean ms of the trial's step for the same results (see Outcome.step_ms)."""
-            return 1000 * statistics.mean(self.steps) if self.steps else None
 
         def mean_live(self) -> tuple[float | None, float | None]:
             """Mean members trained, and mean rows computed, per fused iteration
@@ -463,7 +456,7 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
 
     from chorus_tune.tune.execution.pool import bucket_stats
 
-    timeline = make_timeline()
+    timeline = make_timeline(all_queued=way_kind(way) == "floor")
     # The driver's pool outlives a run and lists every bucket it ever opened:
     # only this run's buckets count for its waste.
     before = set(bucket_stats()) if way_kind(way) in TUNE_WAYS_CHORUS else set()
@@ -486,7 +479,7 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
     keys = list(sw.configs[0]) if sw.configs else []
     mean_live, mean_rows = timeline.mean_live()
     return Outcome(way, wall, len(results), best, reached, hit, member_epochs=read + wasted, wasted=wasted,
-                   mean_live=mean_live, mean_rows=mean_rows, read_ms=timeline.read_ms(), step_ms=timeline.step_ms(),
+                   mean_live=mean_live, mean_rows=mean_rows, read_ms=timeline.read_ms(),
                    first_result_s=None if timeline.first is None else timeline.first - start,
                    last_result_s=None if timeline.last is None else timeline.last - start,
                    configs_digest=configs_digest([r.config for r in results], keys))
@@ -711,7 +704,6 @@ def summarise(row: dict, outcomes: dict[str, list[Outcome]]) -> dict:
                    if way_kind(w) in TUNE_WAYS_CHORUS},
         first_result_s={w: _median([o.first_result_s for o in outs]) for w, outs in done.items()},
         read_ms={w: _median([o.read_ms for o in outs]) for w, outs in done.items()},
-        step_ms={w: _median([o.step_ms for o in outs]) for w, outs in done.items()},
         settle_s={w: max(o.settle_s for o in outs) for w, outs in done.items()},
         unsettled_runs=sum(1 for outs in done.values() for o in outs if not o.settled),
         same_configs=len({o.configs_digest for outs in done.values() for o in outs}) <= 1,
@@ -783,7 +775,7 @@ def markdown_table(rows: list[dict]) -> str:
 
     lines = ["| sweep | trials | bucket | (a) plain | (b) chorus | (c) fused | (a)/(b) | s per member-epoch a / b "
              "| (a)/(b) per member-epoch | (b) mean live / rows | member-epochs a / b / c (b wasted) "
-             "| first result a / b | ms per result floor / b (b's step) | (b)/(c) "
+             "| first result a / b | ms per queued result floor / b | (b)/(c) "
              "| (b)-(c): start-up / rest "
              "| best a / b |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -811,8 +803,6 @@ def markdown_table(rows: list[dict]) -> str:
         firsts = " / ".join("-" if first.get(w) is None else f"{first[w]:.1f} s" for w in (plain, "chorus"))
         read = row.get("read_ms", {})
         reads = " / ".join("-" if read.get(w) is None else f"{read[w]:.1f} ms" for w in ("floor", "chorus"))
-        step = row.get("step_ms", {}).get("chorus")
-        reads += "" if step is None else f" ({step:.1f} ms)"
         lines.append(
             f"| {names.get(row['scheduler'], row['scheduler'])}, {'max_t ' if row['scheduler'] != 'fifo' else ''}"
             f"{row['epochs']}{' epochs' if row['scheduler'] == 'fifo' else ''}, {row['workload']} | {row['trials']} "
@@ -998,8 +988,7 @@ def main() -> None:
               f"reached max_t: {outcome.reached_max_t}  member-epochs {outcome.member_epochs}"
               + (f" (wasted {outcome.wasted})" if way_kind(way) in TUNE_WAYS_CHORUS else "")
               + (f"  first result {outcome.first_result_s:.1f} s" if outcome.first_result_s is not None else "")
-              + (f"  {outcome.read_ms:.1f} ms per result" if outcome.read_ms is not None else "")
-              + (f" (step {outcome.step_ms:.1f} ms)" if outcome.step_ms is not None else "")
+              + (f"  {outcome.read_ms:.1f} ms per queued result" if outcome.read_ms is not None else "")
               + f"  settled in {waited:.1f} s" + ("" if settled else " (TIMED OUT: leftovers shared the run)")
               + ("  (hit the time budget)" if outcome.budget_hit else ""), flush=True)
         if repeat == 0:
