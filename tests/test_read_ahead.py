@@ -57,10 +57,12 @@ def test_a_fetch_while_fetched_results_are_still_held_is_refused():
 
 
 def test_a_retired_answer_leaves_what_was_read_as_it_was():
+    # Not a result: it says the member trains no more, with the iteration its
+    # bucket last delivered (0 for one whose trial left while it was built).
     reads = ReadAhead()
     reads.fill(results(3))
     reads.take()
-    reads.fill([{rk.ITERATION: 3, rk.RETIRED: True, "done": True}])
+    reads.fill([{rk.ITERATION: 0, rk.RETIRED: True, "done": True}])
     reads.take()
     assert reads.read == 3
 
