@@ -27,6 +27,10 @@
             buckets at once as (b) runs, always in spawned processes (their
             start-up counted, as (b)'s bucket actors' is), each with the torch
             threads a bucket of (b) gets: the ceiling for (b).
+floor       Tune's own floor (way ``floor``, not run by default): a no-op function
+            trainable reporting as many results as (a), under the same search,
+            scheduler, stop dict and resources. Beside (b)'s ms per queued result,
+            its own says what reading a result costs over Tune's handling of it.
 
 Schedulers (``--scheduler`` or the rows of ``--rows``): ``fifo`` (Tune's
 default), ``asha`` (stock ``ASHAScheduler`` in (a), ``ChorusASHA`` in (b)),
@@ -85,7 +89,7 @@ import workloads  # noqa: E402  (after the path tweak: benchmarks/ is not a pack
 
 METRIC, MODE = "val_accuracy", "max"
 SCHEDULERS = ("fifo", "asha", "stock-asha")
-WAYS = ("plain", "chorus", "chorus-maxit", "lockstep", "fused")
+WAYS = ("plain", "chorus", "chorus-maxit", "lockstep", "fused", "floor")
 TUNE_WAYS_CHORUS = ("chorus", "chorus-maxit", "lockstep")
 
 
@@ -105,6 +109,12 @@ class Outcome:
     mean_live: float | None = None  # (b): mean chorus/live over the fused iterations Tune read results of
     mean_rows: float | None = None  # (b): mean chorus/rows (rows computed) over the same iterations
     last_result_s: float | None = None  # start to the last result
+    # Mean ms from the result Tune received last (any trial) to each result that
+    # was computed before its trial asked for it (its trial's last result said
+    # chorus/ahead >= 1; the floor computes nothing: every result) and is not its
+    # trial's first (that one waits for the trial to start and join): what one
+    # result costs to read, Tune's driver included. None for (a): it trains in step.
+    read_ms: float | None = None
     settle_s: float = 0.0  # waited before the run for the cluster to be free again
     settled: bool = True  # False: the wait timed out (the run shared the machine with leftovers)
     threads: int | None = None  # (c): torch threads per process
@@ -321,10 +331,11 @@ def settle(timeout_s: float, poll_s: float = 0.2) -> tuple[float, bool]:
         time.sleep(poll_s)
 
 
-def make_timeline():
+def make_timeline(all_queued: bool = False):
     """A Tune callback (in the driver) that records when results arrive and the most
     ``chorus/wasted`` each bucket reported: the run's start-up is ``fit()`` to the
-    first result, what follows is training and Tune's driver."""
+    first result, what follows is training and Tune's driver. ``all_queued``: every
+    result counts as computed before it was asked for (the floor's no-op trainable)."""
     from ray import tune
 
     class Timeline(tune.Callback):
@@ -332,6 +343,9 @@ def make_timeline():
             self.first: float | None = None
             self.last: float | None = None
             self.results = 0
+            self.all_queued = all_queued
+            self._ahead: dict[str, int] = {}  # trial -> chorus/ahead of its last result
+            self.gaps: list[float] = []
             self.wasted: dict[str, int] = {}
             # (bucket, bucket iteration) -> (chorus/live, chorus/rows) of the fused
             # iteration that computed a result Tune received.
@@ -339,6 +353,11 @@ def make_timeline():
 
         def on_trial_result(self, iteration, trials, trial, result, **info) -> None:
             now = time.perf_counter()
+            before = self._ahead.get(trial.trial_id)  # None: the trial's first result
+            if before is not None and (self.all_queued or before >= 1) and self.last is not None:
+                self.gaps.append(now - self.last)
+            ahead = result.get("chorus/ahead")
+            self._ahead[trial.trial_id] = int(ahead) if isinstance(ahead, (int, float)) else 0
             self.first = now if self.first is None else self.first
             self.last = now
             self.results += 1
@@ -349,6 +368,10 @@ def make_timeline():
                 live = int(result["chorus/live"])
                 rows = int(result.get("chorus/rows") or result.get("chorus/capacity") or live)
                 self.iterations[(bucket, int(result["chorus/bucket_iteration"]))] = (live, rows)
+
+        def read_ms(self) -> float | None:
+            """Mean ms to each result computed before it was asked for (see Outcome.read_ms)."""
+            return 1000 * statistics.mean(self.gaps) if self.gaps else None
 
         def mean_live(self) -> tuple[float | None, float | None]:
             """Mean members trained, and mean rows computed, per fused iteration
@@ -439,7 +462,7 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
 
     from chorus_tune.tune.execution.pool import bucket_stats
 
-    timeline = make_timeline()
+    timeline = make_timeline(all_queued=way_kind(way) == "floor")
     # The driver's pool outlives a run and lists every bucket it ever opened:
     # only this run's buckets count for its waste.
     before = set(bucket_stats()) if way_kind(way) in TUNE_WAYS_CHORUS else set()
@@ -462,7 +485,7 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
     keys = list(sw.configs[0]) if sw.configs else []
     mean_live, mean_rows = timeline.mean_live()
     return Outcome(way, wall, len(results), best, reached, hit, member_epochs=read + wasted, wasted=wasted,
-                   mean_live=mean_live, mean_rows=mean_rows,
+                   mean_live=mean_live, mean_rows=mean_rows, read_ms=timeline.read_ms(),
                    first_result_s=None if timeline.first is None else timeline.first - start,
                    last_result_s=None if timeline.last is None else timeline.last - start,
                    configs_digest=configs_digest([r.config for r in results], keys))
@@ -595,8 +618,30 @@ def run_fused(task: ct.Task, sw: Sweep, args) -> Outcome:
                    last_result_s=wall, threads=threads, configs_digest=configs_digest(sw.configs, keys))
 
 
+def run_floor(task: ct.Task, sw: Sweep, args) -> Outcome:
+    """Tune's own floor: a no-op function trainable reporting as many results as
+    (a), under the same search, scheduler, stop dict and resources. Its ms per
+    result (``read_ms``) is what Tune itself takes to handle one."""
+    from ray import tune
+    from ray.tune.search import BasicVariantGenerator
+
+    epochs = args.epochs
+
+    def report_only(config: dict) -> None:
+        for _ in range(epochs):
+            tune.report({METRIC: 0.0})
+
+    trainable = tune.with_resources(report_only, plain_resources(args))
+    search = None if sw.random_state is None else BasicVariantGenerator(random_state=sw.random_state)
+    tune_config = tune.TuneConfig(metric=METRIC, mode=MODE, reuse_actors=True, search_alg=search,
+                                  num_samples=sw.num_samples,
+                                  scheduler=scheduler_for("plain", args.scheduler, epochs, args.reduction_factor),
+                                  time_budget_s=args.way_budget_s)
+    return fit_timed(args.way, trainable, tune_config, sw, args)
+
+
 RUNNERS: dict[str, Callable[..., Outcome]] = {"plain": run_plain, "chorus": run_chorus, "chorus-maxit": run_chorus,
-                                              "lockstep": run_lockstep, "fused": run_fused}
+                                              "lockstep": run_lockstep, "fused": run_fused, "floor": run_floor}
 
 
 def way_args(args, way: str, spec: RowSpec | None = None) -> argparse.Namespace:
@@ -669,6 +714,7 @@ def summarise(row: dict, outcomes: dict[str, list[Outcome]]) -> dict:
         mean_rows={w: _median([o.mean_rows for o in outs]) for w, outs in done.items()
                    if way_kind(w) in TUNE_WAYS_CHORUS},
         first_result_s={w: _median([o.first_result_s for o in outs]) for w, outs in done.items()},
+        read_ms={w: _median([o.read_ms for o in outs]) for w, outs in done.items()},
         settle_s={w: max(o.settle_s for o in outs) for w, outs in done.items()},
         unsettled_runs=sum(1 for outs in done.values() for o in outs if not o.settled),
         same_configs=len({o.configs_digest for outs in done.values() for o in outs}) <= 1,
@@ -711,7 +757,7 @@ def print_table(rows: list[dict]) -> None:
     ways = list(dict.fromkeys(w for row in rows for w in row["median_wall_s"]))
     columns = " ".join(f"{w + ' s':>12} {'best':>6}" for w in ways)
     head = f"{'workload':14} {'sched':>10} {'ep':>3} {'bucket':>6} " + columns
-    print(head + f" {'(a)/(b)':>8} {'per m-ep':>8} {'(b)/(c)':>8} {'(a)/(b0)':>8}")
+    print(head + f" {'(a)/(b)':>8} {'per m-ep':>8} {'(b)/(c)':>8} {'(a)/(b0)':>8} {'read ms floor/b':>16}")
     for row in rows:
         cells = " ".join(
             f"{row['median_wall_s'][w]:12.1f}{'+' if row['budget_hit'][w] else ' '}{row['best'][w]:6.3f}"
@@ -719,8 +765,10 @@ def print_table(rows: list[dict]) -> None:
         ratios = " ".join(f"{row[k]:7.2f}x" if k in row else f"{'-':>8}"
                           for k in ("plain_over_chorus", "plain_over_chorus_per_member_epoch", "chorus_over_fused",
                                     "plain_over_lockstep"))
+        read = row.get("read_ms", {})
+        reads = "/".join("-" if read.get(w) is None else f"{read[w]:.1f}" for w in ("floor", "chorus"))
         print(f"{row['workload']:14} {row['scheduler']:>10} {row['epochs']:3d} {row['bucket_size']:6d} "
-              f"{cells} {ratios}")
+              f"{cells} {ratios} {reads:>16}")
     if any(any(row["budget_hit"].values()) for row in rows):
         print("+: that way hit --way-budget-s; its time is a lower bound")
 
@@ -738,8 +786,10 @@ def markdown_table(rows: list[dict]) -> str:
 
     lines = ["| sweep | trials | bucket | (a) plain | (b) chorus | (c) fused | (a)/(b) | s per member-epoch a / b "
              "| (a)/(b) per member-epoch | (b) mean live / rows | member-epochs a / b / c (b wasted) "
-             "| first result a / b | (b)/(c) | (b)-(c): start-up / rest | best a / b |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| first result a / b | ms per queued result floor / b | (b)/(c) "
+             "| (b)-(c): start-up / rest "
+             "| best a / b |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     rows = [row for row in rows if "median_wall_s" in row]
     names = {"fifo": "FIFO", "asha": "ChorusASHA (a: stock ASHA)", "stock-asha": "stock ASHA, both"}
     for row in rows:
@@ -762,12 +812,14 @@ def markdown_table(rows: list[dict]) -> str:
         fill = "-" if live is None else f"{live:.1f} / {rows_run:.1f}"
         first = row.get("first_result_s", {})
         firsts = " / ".join("-" if first.get(w) is None else f"{first[w]:.1f} s" for w in (plain, "chorus"))
+        read = row.get("read_ms", {})
+        reads = " / ".join("-" if read.get(w) is None else f"{read[w]:.1f} ms" for w in ("floor", "chorus"))
         lines.append(
             f"| {names.get(row['scheduler'], row['scheduler'])}, {'max_t ' if row['scheduler'] != 'fifo' else ''}"
             f"{row['epochs']}{' epochs' if row['scheduler'] == 'fifo' else ''}, {row['workload']} | {row['trials']} "
             f"| {row['bucket_size']} "
             f"| {wall(plain)}{share} | {wall('chorus')} | {wall('fused')} | {x(row.get('plain_over_chorus'))} "
-            f"| {ms} | {x(row.get('plain_over_chorus_per_member_epoch'))} | {fill} | {counts} | {firsts} "
+            f"| {ms} | {x(row.get('plain_over_chorus_per_member_epoch'))} | {fill} | {counts} | {firsts} | {reads} "
             f"| {x(row.get('chorus_over_fused'))} "
             f"| {parts} | {best} |")
     if any(any(row["budget_hit"].values()) for row in rows):
@@ -885,7 +937,7 @@ def main() -> None:
                         help="discarded runs of every way first, on each workload's first row (0: none)")
     parser.add_argument("--ways", default="plain,chorus,lockstep,fused",
                         help="plain (a), chorus (b), chorus-maxit (b with max_iterations), lockstep (b0: "
-                             "run_ahead=0), fused (c)")
+                             "run_ahead=0), fused (c), floor (a no-op trainable: Tune's own cost per result)")
     parser.add_argument("--max-iterations-column", action="store_true",
                         help="add the way chorus-maxit: (b) with ChorusSearch(max_iterations=epochs) on FIFO rows")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -947,6 +999,7 @@ def main() -> None:
               f"reached max_t: {outcome.reached_max_t}  member-epochs {outcome.member_epochs}"
               + (f" (wasted {outcome.wasted})" if way_kind(way) in TUNE_WAYS_CHORUS else "")
               + (f"  first result {outcome.first_result_s:.1f} s" if outcome.first_result_s is not None else "")
+              + (f"  {outcome.read_ms:.1f} ms per queued result" if outcome.read_ms is not None else "")
               + f"  settled in {waited:.1f} s" + ("" if settled else " (TIMED OUT: leftovers shared the run)")
               + ("  (hit the time budget)" if outcome.budget_hit else ""), flush=True)
         if repeat == 0:

@@ -605,3 +605,60 @@ def test_an_idle_bucket_sets_its_gauges_again_every_reap_interval():
         return refreshed
 
     assert len(asyncio.run(scenario())) >= 3
+
+
+def test_one_fetch_brings_every_queued_result_and_a_save_holds_the_member_at_the_iteration_tune_read():
+    # A trial fetches its member's queued results in one call and hands them to
+    # Tune one per step; a checkpoint after the 2nd must hold the member at 2.
+    async def scenario():
+        bucket = make_bucket(2)
+        await seat(bucket, "ab", Plan(budget=5, bucket_decides=True))
+        await until(lambda: bucket.book.get("a").produced == 5)
+        fetched = await bucket.next_results("a")
+        return fetched, state_io.loads(await bucket.save("a", at=2))
+
+    fetched, state = asyncio.run(scenario())
+    assert [r["iteration"] for r in fetched] == [1, 2, 3, 4, 5]
+    assert [r[rk.AHEAD] for r in fetched] == [4, 3, 2, 1, 0] and fetched[-1]["done"] is True
+    for ours, theirs in zip(fetched, reference_history("a", 5)):
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL)
+    assert state["iteration"] == 2
+    from chorus_tune import Bucket
+
+    resumed = Bucket(digits_task(), 1)
+    slot = resumed.restore(state)
+    out = resumed.run_iteration()[slot]
+    assert out["iteration"] == 3
+    assert out["val_loss"] == pytest.approx(reference_history("a", 3)[-1]["val_loss"], rel=RTOL)
+
+
+def test_a_trial_that_leaves_holding_fetched_results_wastes_those_tune_never_read():
+    async def scenario():
+        bucket = make_bucket(1)
+        await seat(bucket, "a", Plan(budget=6, speculate=True))
+        await until(lambda: bucket.book.get("a").produced == 6)
+        assert len(await bucket.next_results("a")) == 6
+        await bucket.leave("a", read=2)  # Tune stopped it after its 2nd result
+        return bucket
+
+    bucket = asyncio.run(scenario())
+    assert bucket.book.wasted == 4
+    assert bucket.book.stops.points == (2,)  # where Tune stopped it, not where the fetch reached
+
+
+def test_an_evicted_member_still_saves_at_each_iteration_its_trial_fetched_and_at_no_other():
+    async def scenario():
+        bucket = make_bucket(1)
+        await seat(bucket, "a", Plan(run_ahead=3))
+        await until(lambda: bucket.book.get("a").produced == 3)
+        fetched = await bucket.next_results("a")
+        await until(lambda: bucket.book.get("a").produced == 4)  # one more, not fetched
+        assert await bucket.evict_idle(0.0) == ["a"]
+        saved = {t: state_io.loads(await bucket.save("a", at=t))["iteration"] for t in (1, 2, 3)}
+        with pytest.raises(MemberError, match="at iteration 4"):
+            await bucket.save("a", at=4)
+        return fetched, saved
+
+    fetched, saved = asyncio.run(scenario())
+    assert [r["iteration"] for r in fetched] == [1, 2, 3]
+    assert saved == {1: 1, 2: 2, 3: 3}

@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 # member state on the host.
 _RETIRED_KEEP = 16
 _MAX_QUEUE = 1024  # results one member may have waiting, whatever the memory allows
+_MISSING = object()
 
 # One line per iteration in the bucket's log (the dashboard's Log link): the
 # iteration (``chorus/bucket_iteration`` of its results), members in slots /
@@ -136,7 +137,7 @@ class ChorusBucket:
                            width_rule=NO_LIMIT, padding_mismatch="eager")
         self.book = MemberBook(max_queue=_MAX_QUEUE, gather_s=options.gather_s)
         self.clients: dict[str, ActorId | None] = {}  # member -> the id of the trial actor reading it
-        self.retired: OrderedDict[str, dict] = OrderedDict()
+        self.retired: OrderedDict[str, tuple[int, dict[int, Any]]] = OrderedDict()  # member -> (taken, states)
         self.reaped: list[str] = []
         self.ever: list[str] = []
         self.iterations = 0
@@ -146,6 +147,9 @@ class ChorusBucket:
         self.compactions = 0
         self._waiters: dict[str, asyncio.Future] = {}
         self._asked_at: dict[str, float] = {}  # member -> when its trial last asked for a result
+        # member -> the iteration of the last result its trial fetched (next_results):
+        # the results after its ``taken`` up to this one may be in its trial's hands.
+        self._fetched: dict[str, int] = {}
         self.evicted: set[str] = set()  # members whose slot went to a waiting member (evict_idle)
         self._joining: dict[str, asyncio.Task] = {}
         self._lock: asyncio.Lock | None = None
@@ -214,6 +218,8 @@ class ChorusBucket:
             self.clients[member] = client
         self.retired.pop(member, None)
         self.evicted.discard(member)
+        if fresh:
+            self._fetched.pop(member, None)
         if member not in self.ever:
             self.ever.append(member)
         if join is not None and member not in self._joining:
@@ -316,13 +322,14 @@ class ChorusBucket:
             self.book.set_plan(member, plan)
             self._poke()
 
-    async def leave(self, member: str, keep_state: bool = True) -> bool:
+    async def leave(self, member: str, keep_state: bool = True, read: int | None = None) -> bool:
         """``member``'s trial is gone: its slot (if any) is freed, what it
-        computed and nobody read counts as wasted. Idempotent; returns whether
-        it was here."""
+        computed and nobody read counts as wasted. ``read``: the iteration of
+        the last result its trial handed Tune (it may have fetched more:
+        :meth:`next_results`). Idempotent; returns whether it was here."""
         self._start()
         try:
-            return await self._leave(member, keep_state)
+            return await self._leave(member, keep_state, read)
         finally:
             # A member that has left is watched no more, whichever leave did it:
             # a watch (the pool binding its trial) may come while a leave waits
@@ -332,14 +339,19 @@ class ChorusBucket:
             if record is None or record.phase is Phase.LEFT:
                 self.clients.pop(member, None)
 
-    async def _leave(self, member: str, keep_state: bool) -> bool:
+    async def _leave(self, member: str, keep_state: bool, read: int | None = None) -> bool:
         record = self.book.get(member)
         if record is None or record.phase is Phase.LEFT:
             return False
+        self.book.read_to(member, read)  # what Tune read counts as read, the rest as wasted
         if keep_state and record.state_at_taken is not None:
-            self.retired[member] = record.state_at_taken
+            self.retired[member] = self._held_states(record, read)
             while len(self.retired) > _RETIRED_KEEP:
                 self.retired.popitem(last=False)
+        fetched = self._fetched.pop(member, None)
+        if read is not None and fetched is not None and fetched > read:
+            logger.debug("%s: %s leaves at iteration %d, its trial had fetched to %d", self.name, member, read,
+                         fetched)
         self.clients.pop(member, None)
         wasted = self.book.wasted
         stops = dict(self.book.stops.stopped)
@@ -374,15 +386,37 @@ class ChorusBucket:
         self.book.stops.seen_elsewhere(stopped, continued)
         self._poke()
 
-    async def save(self, member: str) -> bytes | None:
-        """``member``'s portable state at the last result its trial read
-        (docs/design.md D7), serialised; ``None`` before its first result."""
+    def _held_states(self, record, read: int | None) -> tuple[int, dict[int, Any]]:
+        """The states a save may still ask for once ``record``'s member has
+        left: the one at the last result read, and, where its trial did not say
+        how far Tune read (an eviction), those of the results it fetched."""
+        states = {record.taken: record.state_at_taken}
+        if read is None:
+            fetched = self._fetched.get(record.member, record.taken)
+            states.update({e.iteration: e.state for e in record.queue if e.iteration <= fetched})
+        return record.taken, states
+
+    async def save(self, member: str, at: int | None = None) -> bytes | None:
+        """``member``'s portable state at the last result its trial handed
+        Tune (docs/design.md D7), serialised; ``None`` before its first result.
+        ``at``: that result's iteration, where the trial fetched beyond it
+        (:meth:`next_results`); ``None``: the last result the bucket delivered.
+        A state of another iteration is never given instead: a bucket that
+        does not hold the one asked for says so."""
         self._start()
         record = self.book.get(member)
         if record is not None and record.phase is not Phase.LEFT:
+            self.book.read_to(member, at)
+            if at is not None and record.taken != at:
+                raise MemberError(f"bucket {self.name} holds no state of member {member} at iteration {at} "
+                                  f"(its trial has read to iteration {record.taken})")
             state = record.state_at_taken
         elif member in self.retired:
-            state = self.retired[member]
+            taken, states = self.retired[member]
+            state = states.get(taken if at is None else at, _MISSING)
+            if state is _MISSING:
+                raise MemberError(f"bucket {self.name} holds no state of member {member} at iteration {at} "
+                                  f"(it left at iteration {taken})")
         else:
             raise MemberError(f"bucket {self.name} holds no state of member {member}")
         return None if state is None else state_io.dumps(state)
@@ -415,6 +449,33 @@ class ChorusBucket:
             self._pool.member_out.remote(self.name, member, reason, _portable(error))
 
     # ----- what trials read -----------------------------------------------------------------------
+    async def next_results(self, member: str, join: Join | None = None, client: ActorId | None = None,
+                           read: int | None = None) -> list[dict[str, Any]]:
+        """Every result of ``member`` computed and not yet fetched, oldest
+        first: at once if one is, else the next one once it is. What a trial
+        fetches in one call and its steps return one at a time (docs/design.md
+        D3): a call costs the trial far more than Tune's own work per result.
+
+        ``read``: the iteration of the last result the trial handed Tune
+        (``None``: none since it joined). The results fetched stay queued here,
+        with their states, until a later call says Tune read them
+        (:meth:`MemberBook.read_to`), so a save reads the state of the
+        iteration Tune read, and a leave counts what it did not as wasted.
+        ``join`` as for :meth:`next_result`."""
+        self._start()
+        record = self.book.get(member)
+        if read is not None and record is not None and member not in self.evicted:
+            self.book.read_to(member, read)
+        first = await self.next_result(member, join, client)
+        record = self.book.get(member)
+        if first.get(rk.RETIRED) or record is None or record.phase is Phase.LEFT:
+            return [first]
+        queued = list(record.queue)
+        results = [first] + [{**entry.result, rk.AHEAD: len(queued) - i, rk.WASTED: self.book.wasted}
+                             for i, entry in enumerate(queued, start=1)]
+        self._fetched[member] = results[-1].get(rk.ITERATION, record.taken)
+        return results
+
     async def next_result(self, member: str, join: Join | None = None,
                           client: ActorId | None = None) -> dict[str, Any]:
         """``member``'s next result: at once if computed, else once it is.

@@ -578,6 +578,27 @@ class MemberBook:
         record.state_at_taken = entry.state
         return entry
 
+    def read_to(self, member: str, iteration: int | None) -> None:
+        """``member``'s trial has handed Tune every result up to ``iteration``.
+        A trial fetches the results queued here in one call and returns them
+        from its own buffer (docs/design.md D3), so the queue keeps them, with
+        their states, until the trial says how far Tune read: at its next
+        fetch, a save and its leave. Each is delivered now as the trial's
+        per-result asks would have, so what the book learns (continued at
+        each, the state a save reads, the waste and the stop at a leave) is
+        the same. ``None``, or an iteration read already: nothing to do."""
+        record = self._get(member)
+        if iteration is None or record.phase is Phase.LEFT:
+            return
+        while record.taken < iteration and record.queue and record.queue[0].iteration <= iteration:
+            if record.phase is Phase.FAILED:
+                # Its results computed before it failed were read (its trial hears
+                # the error at its next fetch); ask would raise that error here.
+                record.asked = max(record.asked, record.taken + 1)
+                self.deliver(member)
+            elif self.ask(member) is None:
+                break
+
     def exhausted(self, member: str) -> bool:
         """The member's trial asks for more than it will ever get (it finished)."""
         record = self._get(member)

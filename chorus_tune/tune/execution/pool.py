@@ -580,25 +580,29 @@ class ChorusPool:
                 pass
 
     # ----- members out ----------------------------------------------------------------------------
-    async def trial_left(self, trial_id: str, token: int | None = None) -> None:
+    async def trial_left(self, trial_id: str, token: int | None = None, read: int | None = None) -> None:
         """Trial ``trial_id`` ended (or its actor moved on): the member it read
         leaves, and the trial is bound to nothing. Idempotent. ``token``: the
         reservation's; a late call from an actor that served an earlier run of
-        this trial (a restart, a restore in this job) then changes nothing."""
+        this trial (a restart, a restore in this job) then changes nothing.
+        ``read``: the iteration of the last result the trial handed Tune (it
+        may have fetched more), for its bucket's waste and stop counts."""
         if not self.readers.is_current(trial_id, token):
             return
         self.plans.pop(trial_id, None)
         member = self.readers.leave(trial_id)
         if member is not None:
-            await self.leave(member)
+            await self.leave(member, read=read)
 
-    async def leave(self, member: str, notify_bucket: bool = True, reason: str | None = None) -> None:
+    async def leave(self, member: str, notify_bucket: bool = True, reason: str | None = None,
+                    read: int | None = None) -> None:
         """``member`` is no longer read: it leaves its bucket (or stops
         waiting). Idempotent; a no-op for a member the pool never saw.
-        ``reason`` (e.g. ``"reaped"``) is recorded in the bucket's history."""
+        ``reason`` (e.g. ``"reaped"``) is recorded in the bucket's history;
+        ``read`` as for :meth:`trial_left`."""
         self._start()
         name, update = self._forget(member, reason)
-        await self._left(member, name, update, notify_bucket)
+        await self._left(member, name, update, notify_bucket, read)
 
     def _forget(self, member: str, reason: str | None) -> tuple[str | None, Update]:
         """The pool's own part of ``member`` leaving, with no await: its home
@@ -619,12 +623,13 @@ class ChorusPool:
         self.leaving.start(member)  # ended by _left, which always follows
         return name, update
 
-    async def _left(self, member: str, name: str | None, update: Update, notify_bucket: bool = True) -> None:
+    async def _left(self, member: str, name: str | None, update: Update, notify_bucket: bool = True,
+                    read: int | None = None) -> None:
         """The rest of ``member`` leaving (see :meth:`_forget`): its bucket is told, the update applied."""
         try:
             if name is not None and notify_bucket and name in self.handles:
                 try:
-                    await self.handles[name].leave.remote(member)
+                    await self.handles[name].leave.remote(member, read=read)
                 except RayActorError:
                     pass  # the bucket died: its death watch cleans up
         finally:

@@ -6,8 +6,10 @@ The first ``step`` finds its member through the pool (seated already by
 ChorusSearch, or one of its own, built then — fresh, or from the state a
 ``load_checkpoint`` handed over); an actor Tune stops before it steps holds
 nothing. The bucket trains members ahead of their
-trials; every ``step`` takes the member's next result, waiting only if the
-bucket has not computed it yet.
+trials. A ``step`` with no result in hand fetches every result of the member
+the bucket has queued, in one call (waiting only if the bucket has not
+computed the next one yet), and the steps after it return them one at a time
+(:class:`~chorus_tune.tune.trial.read_ahead.ReadAhead`).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from ..execution.waits import Evicted, Stall, StalledWait
 from ..observe.actor_log import log_to_actor_stdout
 from ..search import run_plan
 from .checkpoint import write_weights
+from .read_ahead import ReadAhead
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +122,9 @@ class ChorusTrainable(Trainable):
     memory_fraction: float = BucketOptions.memory_fraction
     memory_meter: Any = None
 
+    # False: one call to the bucket per result, as before results were fetched
+    # ahead (kept to measure one against the other in one run; docs/design.md D3).
+    _read_ahead: bool = True
     _task_blob: bytes | None = None
     _factory_blob: bytes | None = None
     _task_id: str | None = None
@@ -203,6 +209,7 @@ class ChorusTrainable(Trainable):
         self._pending_state: bytes | None = None
         self._seed: int | None = None
         self._setup_error: BaseException | None = None
+        self._reads = ReadAhead()  # results fetched from the bucket that Tune has yet to get
         # The member is reserved at the first step, not here: Tune may create
         # an actor for a trial, then hand the trial to a cached actor and stop
         # this one unused (TuneController._maybe_reuse_cached_actor). Reserving
@@ -213,6 +220,9 @@ class ChorusTrainable(Trainable):
         self._unreserved = True
 
     def step(self) -> dict:
+        fetched = self._reads.take()
+        if fetched is not None:
+            return fetched
         if self._unreserved:
             self._reserve(self.config)
             if self._seated and self._pending_state is not None:
@@ -231,8 +241,16 @@ class ChorusTrainable(Trainable):
             join = Join(config=self._clean(self.config), seed=self._seed, state=self._pending_state,
                         plan=self._plan)
         try:
-            result = ray.get(self._bucket.next_result.remote(self._member, join, current_actor_id()),
-                             timeout=self.result_timeout_s)
+            # Every result queued for the member, in one call: the call costs
+            # more than Tune's own work per result. The bucket learns here how
+            # far Tune read the last ones.
+            if self._read_ahead:
+                results = ray.get(self._bucket.next_results.remote(self._member, join, current_actor_id(),
+                                                                   self._reads.read),
+                                  timeout=self.result_timeout_s)
+            else:
+                results = [ray.get(self._bucket.next_result.remote(self._member, join, current_actor_id()),
+                                   timeout=self.result_timeout_s)]
         except RayActorError as exc:
             self._lost_bucket(exc)
         except Evicted:
@@ -242,13 +260,16 @@ class ChorusTrainable(Trainable):
                 f"trial {self.trial_id} waited {self.result_timeout_s}s (result_timeout_s) for member "
                 f"{self._member}'s next result from bucket {self._bucket_name}") from exc
         self._joined, self._pending_state = True, None
-        return result
+        self._reads.fill(results)
+        return self._reads.take()
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict:
         state = self._pending_state
         if self._joined:
             try:
-                state = ray.get(self._bucket.save.remote(self._member), timeout=self.result_timeout_s)
+                # The state of the iteration Tune read last, not of the last one fetched.
+                state = ray.get(self._bucket.save.remote(self._member, self._reads.read),
+                                timeout=self.result_timeout_s)
             except RayActorError as exc:
                 self._lost_bucket(exc)
             except GetTimeoutError as exc:
@@ -347,7 +368,7 @@ class ChorusTrainable(Trainable):
         while): take its state at the last result we read and join again, in
         the queue like any member, so the next result is the one it owed."""
         try:
-            state = ray.get(self._bucket.save.remote(self._member), timeout=self.result_timeout_s)
+            state = ray.get(self._bucket.save.remote(self._member, self._reads.read), timeout=self.result_timeout_s)
         except RayActorError as exc:
             self._lost_bucket(exc)
         logger.info("trial %s: member %s gave its slot up while idle; it rejoins", self.trial_id, self._member)
@@ -362,6 +383,9 @@ class ChorusTrainable(Trainable):
         logger.info("trial %s reads member %s in bucket %s", self.trial_id, self._member, self._bucket_name)
 
     def _leave(self) -> None:
+        # Results fetched and not yet returned are dropped: Tune stopped the
+        # trial, or it takes another member (reset_config, load_checkpoint).
+        read = self._reads.drop()
         member, self._member = self._member, None
         self._joined, self._seated = False, False
         if member is None:
@@ -373,7 +397,7 @@ class ChorusTrainable(Trainable):
                 # Not waited for: leaving may wait for the bucket's running
                 # iteration, and Tune would hold this actor's next trial for it.
                 trial, token = getattr(self, "_reserved_for", (member, None))
-                pool.trial_left.remote(trial, token)
+                pool.trial_left.remote(trial, token, read)
         except Exception as exc:  # noqa: BLE001 - leaving must never fail a trial
             logger.warning("trial %s: leaving its bucket failed: %s", member, exc)
 
@@ -386,6 +410,7 @@ class ChorusTrainable(Trainable):
         except Exception:  # noqa: BLE001
             pass
         self._member, self._joined, self._seated = None, False, False
+        self._reads.drop()
         raise BucketLost(
             f"bucket {name} holding trial {self.trial_id}'s member died ({type(exc).__name__}); the member's "
             "progress since its last checkpoint is lost. With FailureConfig(max_failures>=1) Tune restarts "
