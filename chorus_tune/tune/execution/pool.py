@@ -42,6 +42,7 @@ from .opening import actor_options, bucket_options
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
 from .readers import Readers
+from .regrouping import BucketView, Move, plan_regroup
 from .resources import bucket_budget, bucket_resources, shared_threads
 from .run_stops import RunStops
 from .scouts import Scouts
@@ -199,6 +200,13 @@ class ChorusPool:
         # trials, and their members held back for their cohort.
         self.scouts = Scouts(lambda delay_s, callback: asyncio.get_running_loop().call_later(delay_s, callback))
         self._stops = RunStops()  # where Tune stopped trials early, per bucket: shared across the run
+        # Regrouping (regrouping.py): members that moved with results still to
+        # read in their old bucket -> that bucket; keys being regrouped now, and
+        # those asked again meanwhile; cohort tokens handed out.
+        self._draining: dict[str, str] = {}
+        self._regrouping: set[GroupKey] = set()
+        self._regroup_again: set[GroupKey] = set()
+        self._tokens = 0
         # Counts every change of membership, start and loss: with the buckets'
         # iterations, what tells a long wait from a stalled one (wait_status).
         self._events = 0
@@ -618,16 +626,24 @@ class ChorusPool:
                     await self.handles[name].leave.remote(member)
                 except RayActorError:
                     pass  # the bucket died: its death watch cleans up
+            source = self._draining.pop(member, None)
+            if source is not None and source in self.handles:
+                # It moved, with results unread in its old bucket: they go too.
+                with contextlib.suppress(RayActorError):
+                    await self.handles[source].leave.remote(member)
         finally:
             self.leaving.end(member)
         await self._apply(update)
         if name is not None:
+            self._later_regroup(name)
             self._later_compact(name)
 
     async def member_out(self, name: str, member: str, reason: str, error: BaseException | None = None) -> None:
         """Bucket ``name`` says ``member`` no longer needs its slot: it
         ``"finished"`` (its results still drain from the bucket), or ``"failed"``
         (with ``error``) or was ``"reaped"``. The slot goes to a waiting member."""
+        if self.book.home(member) not in (None, name):
+            return  # it moved on (regrouping): a bucket it left says nothing of it
         self.book.out(member, reason)
         if reason == "reaped":
             self.history.note(name, reason, member)
@@ -640,6 +656,7 @@ class ChorusPool:
             # the member nowhere and failed with an error that said nothing of it.
             self._unplaced[member] = error
         await self._apply(self.placement.remove(member))
+        self._later_regroup(name)
         self._later_compact(name)
 
     def _later_compact(self, name: str) -> None:
@@ -648,6 +665,11 @@ class ChorusPool:
 
     async def _maybe_compact(self, name: str, delay_s: float = 0.0, tries: int = _COMPACT_TRIES) -> None:
         await asyncio.sleep(delay_s)
+        record = self.placement.buckets.get(name) if self.placement is not None else None
+        if record is not None and compaction_due(self.placement, name):
+            # Emptied into the other buckets of its key, it closes instead; and
+            # a compacted bucket has no free slot left for others' survivors.
+            await self._regroup(record.key)
         handle = self.handles.get(name)
         if handle is None or not compaction_due(self.placement, name):
             return
@@ -670,6 +692,131 @@ class ChorusPool:
             # Refused: a leave or join is still on its way to it. Looked at again shortly.
             asyncio.get_running_loop().create_task(
                 self._maybe_compact(name, compact_after_s(self.placement, name), tries - 1))
+
+    # ----- regrouping: survivors move together (regrouping.py, docs/design.md D3) ------------------
+    def _later_regroup(self, name: str) -> None:
+        record = self.placement.buckets.get(name) if self.placement is not None else None
+        if record is not None and record.key.options.regroup:
+            asyncio.get_running_loop().create_task(self._regroup(record.key))
+
+    async def _regroup(self, key: GroupKey) -> None:
+        """Empty sparse buckets of ``key`` into the others (one regrouping per key at a time)."""
+        if not key.options.regroup:
+            return
+        if key in self._regrouping:
+            self._regroup_again.add(key)  # looked at again once the one running ends
+            return
+        self._regrouping.add(key)
+        try:
+            while True:
+                self._regroup_again.discard(key)
+                for move in await self._plan_regroup(key):
+                    if not await self._move(move):
+                        break  # something changed under it: the next look decides afresh
+                if key not in self._regroup_again:
+                    return
+        except Exception:  # noqa: BLE001 - a regrouping that fails leaves every member where it was
+            logger.exception("pool: regrouping %s", key.model_name)
+        finally:
+            self._regrouping.discard(key)
+
+    async def _plan_regroup(self, key: GroupKey) -> list[Move]:
+        if self.placement is None or self.placement.waiting_for(key):
+            return []
+        names = [n for n, r in self.placement.buckets.items()
+                 if r.key == key and r.members and n in self.handles and self.history.has_started(n)]
+        if len(names) < 2:
+            return []
+
+        async def view(name: str):
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(self.handles[name].regroup_view.remote().future()),
+                                              10.0)
+            except Exception:  # noqa: BLE001 - busy or dead: it takes no part this time
+                return None
+
+        views, draining = [], set()
+        for name, seen in zip(names, await asyncio.gather(*(view(n) for n in names))):
+            record = self.placement.buckets.get(name)
+            if seen is None or record is None:
+                continue
+            draining.update(seen["draining"])
+            holds = {m.member for m in seen["members"]} | set(seen["pending"])
+            # As compaction requires: its book holds exactly the members the pool holds there.
+            ready = not record.busy and holds == set(record.members) and seen["capacity"] == record.capacity
+            views.append(BucketView(name, record.capacity, tuple(seen["members"]), len(seen["pending"]), ready,
+                                    self.history.place_of(name)))
+        for member, source in list(self._draining.items()):
+            if source in names and member not in draining:
+                del self._draining[member]  # its trial read what it left there
+        return plan_regroup(views, self.placement.waiting_for(key), draining | set(self._draining))
+
+    async def _move(self, move: Move) -> bool:
+        """Move ``move``'s members: the destination holds their slots, the
+        source takes them out between iterations (their queued results stay
+        there for their trials), the destination builds them from their
+        states. Whether they moved; a refusal anywhere leaves every member where it was."""
+        source, dest = move.source, move.dest
+        held = self.placement.begin_move(source, dest)
+        if held is None:
+            return False
+        expected_source, expected_dest = held
+        members = list(move.members)
+        items = None
+        try:
+            src, dst = self.handles.get(source), self.handles.get(dest)
+            if src is None or dst is None or not await dst.reserve_moved.remote(members, expected_dest):
+                return False
+            tokens = {}
+            for unit in move.units:
+                self._tokens += 1
+                tokens.update(dict.fromkeys(unit.members, unit.carries(f"{source}/{self._tokens}")))
+            items = await src.take_out.remote(tokens, expected_source, dest)
+            if items is None:
+                await dst.cancel_moved.remote(members)
+                return False
+            self.placement.move(members, source, dest)
+            await dst.move_in.remote(items)
+            for item in items:
+                self.book.house(item["member"], dest)
+                if item["queued"]:
+                    self._draining[item["member"]] = source
+                client = self.clients.get(item["member"])
+                if client is not None and item["client"] is None:
+                    dst.watch.remote(item["member"], client)  # bound to its trial while it moved
+        except RayActorError as exc:
+            # A bucket died (its death watch cleans up). Members taken out whose
+            # new bucket died are lost with it, as its own members are.
+            logger.warning("pool: moving %s from bucket %s to %s failed: %s", members, source, dest, exc)
+            for item in items or ():
+                if self.book.home(item["member"]) != dest:
+                    self._unplaced[item["member"]] = RuntimeError(
+                        f"member {item['member']} was lost moving from bucket {source} to {dest}: {exc}")
+            return False
+        finally:
+            update = self.placement.end_move(source, dest)
+            await self._apply(update)
+        self._events += 1
+        self.history.regrouped(source, dest, members)
+        record = self.placement.buckets.get(dest)
+        logger.info("pool: regrouped %s from bucket %s to bucket %s (%d of %d slots held there now)", members,
+                    source, dest, len(record.members) if record else 0, record.capacity if record else 0)
+        if self.placement.buckets.get(source) is not None and self.placement.buckets[source].members:
+            self._later_compact(source)
+        return True
+
+    async def moved_to(self, member: str, source: str, timeout_s: float = 60.0):
+        """``(bucket name, handle)`` where ``member`` trains now, once it moved out of bucket ``source``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            if member in self._unplaced:
+                raise self._unplaced[member]
+            name = self.book.home(member)
+            if name is not None and name != source and name in self.handles:
+                return name, self.handles[name]
+            if name is None or asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"member {member} moved out of bucket {source}, and the pool holds it nowhere")
+            await asyncio.sleep(0.02)  # the move is still on its way (its new bucket is building it)
 
     async def bucket_failed(self, name: str) -> None:
         """A trainable saw bucket ``name`` die: forget it now (its death watch may be later)."""
@@ -794,6 +941,9 @@ class ChorusPool:
         self._events += 1
         self.handles.pop(name, None)
         self._stops.forget(name)
+        for member, source in list(self._draining.items()):
+            if source == name:
+                del self._draining[member]  # its unread results died there (its trial hears it)
         lost = self.book.bucket_lost(name)
         self.history.gone(name, died, lost)
         if self.placement is None or name not in self.placement.buckets:
