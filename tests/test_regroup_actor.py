@@ -9,11 +9,13 @@ in the old bucket for its trial to read first, and then the trial hears
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import ray.cloudpickle as cloudpickle
 from test_bucket_actor import RTOL, Gate, join, reference_history, until
 
+from chorus_tune import reference
 from chorus_tune.tune import result_keys as rk
 from chorus_tune.tune.execution.bucket_actor import ChorusBucket
 from chorus_tune.tune.execution.members import Phase, Plan
@@ -179,3 +181,50 @@ def test_a_bucket_holds_no_slot_it_lacks_for_members_moving_in():
         return full, disagrees, agrees
 
     assert asyncio.run(scenario()) == (False, False, True)
+
+
+def test_the_pool_moves_a_lone_member_into_its_keys_other_sparse_bucket_and_closes_the_emptied_one():
+    # End to end through the pool actor and two bucket actors: five members
+    # seated in buckets of four (four and one); three of the first leave. The
+    # pool moves the lone member of the second bucket into the first, and the
+    # second closes once its unread results are read. Its reader reads them
+    # there, hears Moved, and reads on in the first: all on its reference.
+    import ray
+    from ray.exceptions import GetTimeoutError
+
+    from chorus_tune.tune.execution.pool import get_pool, task_id
+
+    task_blob = cloudpickle.dumps(digits_task())
+    options = BucketOptions(bucket_size=4, max_buckets=2, route="vmap", gather_s=0.0, idle_close_s=0.5)
+    plan = Plan(budget=10_000, bucket_decides=True)  # trains on while the test reads: left at its end
+    pool = get_pool(create=True)
+    seats = [(f"rg{i}", {"lr": 0.05 * (i + 1), "seed": i}, i) for i in range(5)]
+    assert set(ray.get(pool.seat.remote(seats, task_id(task_blob), task_blob, options, plan)).values()) == {"seated"}
+    lone = "rg4"
+    source, handle = ray.get(pool.await_placement.remote(lone), timeout=120)
+    first = ray.get(handle.next_result.remote(lone))  # its trial has read one result
+    for member in ("rg1", "rg2", "rg3"):
+        ray.get(pool.leave.remote(member))
+    results, bucket = [first], source
+    while sum(r[rk.BUCKET] != source for r in results) < 3:
+        assert len(results) < 300, "the lone member never moved"
+        try:
+            results.append(ray.get(handle.next_result.remote(lone), timeout=60))
+        except Moved:
+            bucket, handle = ray.get(pool.moved_to.remote(lone, bucket))
+        except GetTimeoutError:
+            pytest.fail("no result for a minute")
+    stats = ray.get(pool.stats.remote())
+    for member in ("rg0", lone):
+        ray.get(pool.leave.remote(member))
+    assert bucket != source and results[-1][rk.BUCKET] == bucket
+    assert stats[source]["moved_out"] == 1 and stats[source]["regroups"] == 1 and stats[bucket]["moved_in"] == 1
+    history, _ = reference.train(digits_task(), seats[4][1], seed=4, iterations=len(results))
+    for ours, theirs in zip(results, history):
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL), ours["iteration"]
+    assert [r["iteration"] for r in results] == list(range(1, len(results) + 1))
+
+    deadline = time.monotonic() + 60.0  # not a timing assertion: a wait that must end
+    while not ray.get(pool.stats.remote())[source]["closed"]:
+        assert time.monotonic() < deadline, "the emptied bucket never closed"
+        time.sleep(0.2)
