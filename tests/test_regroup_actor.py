@@ -183,14 +183,32 @@ def test_a_bucket_holds_no_slot_it_lacks_for_members_moving_in():
     assert asyncio.run(scenario()) == (False, False, True)
 
 
-def test_the_pool_moves_a_lone_member_into_its_keys_other_sparse_bucket_and_closes_the_emptied_one():
-    # End to end through the pool actor and two bucket actors: five members
-    # seated in buckets of four (four and one); three of the first leave. The
-    # pool moves the lone member of the second bucket into the first, and the
-    # second closes once its unread results are read. Its reader reads them
-    # there, hears Moved, and reads on in the first: all on its reference.
+def read_on(pool, member: str, bucket: str, handle, results: list[dict], moved_away_from: str) -> str:
+    """Read ``member``'s results as its trial does (following a move) until three
+    came from a bucket other than ``moved_away_from``; the bucket it reads at the end."""
     import ray
     from ray.exceptions import GetTimeoutError
+
+    while sum(r[rk.BUCKET] != moved_away_from for r in results) < 3:
+        assert len(results) < 300, f"{member} never moved"
+        try:
+            results.append(ray.get(handle.next_result.remote(member), timeout=60))
+        except Moved:
+            bucket, handle = ray.get(pool.moved_to.remote(member, bucket))
+        except GetTimeoutError:
+            pytest.fail("no result for a minute")
+    return bucket
+
+
+def test_the_pool_moves_a_sparse_buckets_members_into_another_of_their_key_and_closes_the_emptied_one():
+    # End to end through the pool actor and two bucket actors: six members
+    # seated in buckets of four (four and two); two of the first leave. The
+    # pool moves the second bucket's two members into the first, and the
+    # second closes once their unread results are read. One had read a
+    # result there; the other's trial starts after the move and is sent there
+    # first. Each reads the old bucket's queue, hears Moved, and reads on in
+    # the new one, every result on its reference.
+    import ray
 
     from chorus_tune.tune.execution.pool import get_pool, task_id
 
@@ -198,32 +216,27 @@ def test_the_pool_moves_a_lone_member_into_its_keys_other_sparse_bucket_and_clos
     options = BucketOptions(bucket_size=4, max_buckets=2, route="vmap", gather_s=0.0, idle_close_s=0.5)
     plan = Plan(budget=10_000, bucket_decides=True)  # trains on while the test reads: left at its end
     pool = get_pool(create=True)
-    seats = [(f"rg{i}", {"lr": 0.05 * (i + 1), "seed": i}, i) for i in range(5)]
+    seats = [(f"rg{i}", {"lr": 0.05 * (i + 1), "seed": i}, i) for i in range(6)]
     assert set(ray.get(pool.seat.remote(seats, task_id(task_blob), task_blob, options, plan)).values()) == {"seated"}
-    lone = "rg4"
-    source, handle = ray.get(pool.await_placement.remote(lone), timeout=120)
-    first = ray.get(handle.next_result.remote(lone))  # its trial has read one result
-    for member in ("rg1", "rg2", "rg3"):
+    source, handle = ray.get(pool.await_placement.remote("rg4"), timeout=120)
+    early = [ray.get(handle.next_result.remote("rg4"))]  # its trial has read one result before the move
+    for member in ("rg1", "rg2"):
         ray.get(pool.leave.remote(member))
-    results, bucket = [first], source
-    while sum(r[rk.BUCKET] != source for r in results) < 3:
-        assert len(results) < 300, "the lone member never moved"
-        try:
-            results.append(ray.get(handle.next_result.remote(lone), timeout=60))
-        except Moved:
-            bucket, handle = ray.get(pool.moved_to.remote(lone, bucket))
-        except GetTimeoutError:
-            pytest.fail("no result for a minute")
+    dest = read_on(pool, "rg4", source, handle, early, moved_away_from=source)
+    late_bucket, late_handle = ray.get(pool.await_placement.remote("rg5"))  # a trial that starts only now
+    late: list[dict] = []
+    assert read_on(pool, "rg5", late_bucket, late_handle, late, moved_away_from=source) == dest
     stats = ray.get(pool.stats.remote())
-    for member in ("rg0", lone):
+    for member in ("rg0", "rg3", "rg4", "rg5"):
         ray.get(pool.leave.remote(member))
-    assert bucket != source and results[-1][rk.BUCKET] == bucket
-    assert stats[source]["moved_out"] == 1 and stats[source]["regroups"] == 1 and stats[bucket]["moved_in"] == 1
-    history, _ = reference.train(digits_task(), seats[4][1], seed=4, iterations=len(results))
-    for ours, theirs in zip(results, history):
-        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL), ours["iteration"]
-    assert [r["iteration"] for r in results] == list(range(1, len(results) + 1))
-
+    assert dest != source and late_bucket == source
+    assert stats[source]["moved_out"] == 2 and stats[source]["regroups"] == 1 and stats[dest]["moved_in"] == 2
+    for member, results in (("rg4", early), ("rg5", late)):
+        assert [r["iteration"] for r in results] == list(range(1, len(results) + 1))
+        config, seed = seats[int(member[2:])][1:]
+        history, _ = reference.train(digits_task(), config, seed=seed, iterations=len(results))
+        for ours, theirs in zip(results, history):
+            assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL), (member, ours["iteration"])
     deadline = time.monotonic() + 60.0  # not a timing assertion: a wait that must end
     while not ray.get(pool.stats.remote())[source]["closed"]:
         assert time.monotonic() < deadline, "the emptied bucket never closed"

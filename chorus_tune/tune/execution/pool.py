@@ -359,13 +359,13 @@ class ChorusPool:
             if failure is not None:
                 raise failure
             seat = self.book.join_of(member)
-            name = self.book.home(member)
+            home, name = self.book.home(member), self._read_from(member)
             # Its bucket watches this trial's actor from now on, not only once
             # it first reads: an actor that dies before would leave the member
             # holding its slot for good.
             self.clients[member] = client
-            if name in self.handles and client is not None:
-                self.handles[name].watch.remote(member, client)
+            if home in self.handles and client is not None:
+                self.handles[home].watch.remote(member, client)
             return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, token)
         key = self._key(task_id_, options, config)
         size = await self._bucket_size(key, options, config)
@@ -382,7 +382,7 @@ class ChorusPool:
         await asyncio.wait({realizing}, timeout=_REALIZE_WAIT_S)
         if trial_id in self._unplaced:
             raise self._unplaced.pop(trial_id)
-        name = self.book.home(trial_id)
+        name = self._read_from(trial_id)
         return Reservation(trial_id, seed, plan, name, self.handles.get(name), False, token)
 
     async def await_placement(self, member: str):
@@ -390,7 +390,7 @@ class ChorusPool:
         (and its bucket expects it)."""
         if member in self._unplaced:
             raise self._unplaced[member]
-        name = self.book.home(member)
+        name = self._read_from(member)
         if name is None:
             placed = self.scouts.is_held(member) or self.placement is not None and (
                 self.placement.is_waiting(member) or self.placement.bucket_of(member) is not None)
@@ -642,7 +642,8 @@ class ChorusPool:
         """Bucket ``name`` says ``member`` no longer needs its slot: it
         ``"finished"`` (its results still drain from the bucket), or ``"failed"``
         (with ``error``) or was ``"reaped"``. The slot goes to a waiting member."""
-        if self.book.home(member) not in (None, name):
+        if self.book.home(member) not in (None, name) and (
+                self.placement is None or self.placement.bucket_of(member) != name):
             return  # it moved on (regrouping): a bucket it left says nothing of it
         self.book.out(member, reason)
         if reason == "reaped":
@@ -762,7 +763,7 @@ class ChorusPool:
             return False
         expected_source, expected_dest = held
         members = list(move.members)
-        items = None
+        items, housed = None, []
         try:
             src, dst = self.handles.get(source), self.handles.get(dest)
             if src is None or dst is None or not await dst.reserve_moved.remote(members, expected_dest):
@@ -775,16 +776,28 @@ class ChorusPool:
             if items is None:
                 await dst.cancel_moved.remote(members)
                 return False
-            self.placement.move(members, source, dest)
+            # A member whose trial left meanwhile stays behind (its old bucket was told).
+            gone = [m for m in members if self.placement.bucket_of(m) != source]
+            if gone:
+                await dst.cancel_moved.remote(gone)
+            items = [item for item in items if item["member"] not in gone]
+            # A KeyError if either closed meanwhile: only a bucket that died does.
+            self.placement.move([item["member"] for item in items], source, dest)
             await dst.move_in.remote(items)
             for item in items:
+                if self.placement.bucket_of(item["member"]) != dest:
+                    # It left while its new bucket was told (its leave went to the old one).
+                    with contextlib.suppress(RayActorError):
+                        await dst.leave.remote(item["member"], keep_state=False)
+                    continue
                 self.book.house(item["member"], dest)
+                housed.append(item["member"])
                 if item["queued"]:
                     self._draining[item["member"]] = source
                 client = self.clients.get(item["member"])
                 if client is not None and item["client"] is None:
                     dst.watch.remote(item["member"], client)  # bound to its trial while it moved
-        except RayActorError as exc:
+        except (RayActorError, KeyError) as exc:
             # A bucket died (its death watch cleans up). Members taken out whose
             # new bucket died are lost with it, as its own members are.
             logger.warning("pool: moving %s from bucket %s to %s failed: %s", members, source, dest, exc)
@@ -797,9 +810,11 @@ class ChorusPool:
             update = self.placement.end_move(source, dest)
             await self._apply(update)
         self._events += 1
-        self.history.regrouped(source, dest, members)
+        if not housed:
+            return False
+        self.history.regrouped(source, dest, housed)
         record = self.placement.buckets.get(dest)
-        logger.info("pool: regrouped %s from bucket %s to bucket %s (%d of %d slots held there now)", members,
+        logger.info("pool: regrouped %s from bucket %s to bucket %s (%d of %d slots held there now)", housed,
                     source, dest, len(record.members) if record else 0, record.capacity if record else 0)
         if self.placement.buckets.get(source) is not None and self.placement.buckets[source].members:
             self._later_compact(source)
@@ -1020,8 +1035,14 @@ class ChorusPool:
     async def bucket_of(self, member: str):
         """``(bucket name, handle)`` of the bucket holding ``member`` (a member
         or a trial id), or ``None``."""
-        name = self.book.home(self.readers.member_of(member))
+        name = self._read_from(self.readers.member_of(member))
         return None if name is None else (name, self.handles.get(name))
+
+    def _read_from(self, member: str) -> str | None:
+        """The bucket ``member``'s trial reads next: the one it moved out of
+        while results it left there wait (regrouping), else its home."""
+        source = self._draining.get(member)
+        return source if source in self.handles else self.book.home(member)
 
     async def free_slots(self, structural_key: Hashable) -> int:
         """Free slots in open buckets whose structural key is ``structural_key``."""
