@@ -163,3 +163,14 @@ def test_a_move_into_a_bucket_without_room_raises():
     p.begin_move("chorus-bucket-2", "chorus-bucket-1")
     with pytest.raises(ValueError, match="no room"):
         p.move(["t2"], "chorus-bucket-2", "chorus-bucket-1")
+
+
+def test_a_bucket_holding_members_is_refilled_before_an_empty_one_of_its_key():
+    # An emptied bucket (regrouping moved its members away) is closing: refilled
+    # first, it would train its new members apart from the others.
+    p = Placement(max_buckets=2)
+    for i in range(3):
+        p.request(f"t{i}", "k", 2)  # bucket-1: t0, t1; bucket-2: t2
+    p.remove("t0")
+    p.remove("t1")  # bucket-1 empty, bucket-2 holds t2
+    assert p.request("t3", "k", 2).bucket == "chorus-bucket-2"

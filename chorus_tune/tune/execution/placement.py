@@ -3,7 +3,9 @@
 Rules (docs/design.md D2, D9):
 - a trial goes to a bucket of its structural key with a free slot, oldest
   bucket first, so a bucket is filled to capacity before another of the same
-  key is opened;
+  key is opened; a bucket that holds members comes before an empty one (one
+  that regrouping emptied, D4, is closing: refilled, it trained its new
+  members apart from the bucket its old ones went to);
 - a new bucket is opened only within the budget (how many buckets the
   cluster's resources hold at once); otherwise the trial waits, first come
   first served, and is placed as soon as a slot of its key frees or a bucket
@@ -203,9 +205,9 @@ class Placement:
 
     # ----- internals --------------------------------------------------------------------------------
     def _try_place(self, trial_id: str, key: Hashable, capacity: int) -> Placed | None:
-        for record in self.buckets.values():
-            if record.key == key and record.free > 0:
-                return self._put(trial_id, record, opened=False)
+        open_ = [r for r in self.buckets.values() if r.key == key and r.free > 0]
+        if open_:
+            return self._put(trial_id, next((r for r in open_ if r.members), open_[0]), opened=False)
         if not self.can_open() or self._compacting(key):
             return None
         self._opened += 1
