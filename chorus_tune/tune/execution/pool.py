@@ -763,27 +763,28 @@ class ChorusPool:
             return False
         expected_source, expected_dest = held
         members = list(move.members)
-        items, housed = None, []
+        items, housed, held_slots = None, [], False
+        src, dst = self.handles.get(source), self.handles.get(dest)
         try:
-            src, dst = self.handles.get(source), self.handles.get(dest)
             if src is None or dst is None or not await dst.reserve_moved.remote(members, expected_dest):
                 return False
+            held_slots = True  # until move_in: the destination trains nobody while it holds them
             tokens = {}
             for unit in move.units:
                 self._tokens += 1
                 tokens.update(dict.fromkeys(unit.members, unit.carries(f"{source}/{self._tokens}")))
             items = await src.take_out.remote(tokens, expected_source, dest)
             if items is None:
-                await dst.cancel_moved.remote(members)
                 return False
             # A member whose trial left meanwhile stays behind (its old bucket was told).
             gone = [m for m in members if self.placement.bucket_of(m) != source]
-            if gone:
-                await dst.cancel_moved.remote(gone)
             items = [item for item in items if item["member"] not in gone]
             # A KeyError if either closed meanwhile: only a bucket that died does.
             self.placement.move([item["member"] for item in items], source, dest)
             await dst.move_in.remote(items)
+            held_slots = False
+            if gone:
+                await dst.cancel_moved.remote(gone)
             for item in items:
                 if self.placement.bucket_of(item["member"]) != dest:
                     # It left while its new bucket was told (its leave went to the old one).
@@ -807,6 +808,11 @@ class ChorusPool:
                         f"member {item['member']} was lost moving from bucket {source} to {dest}: {exc}")
             return False
         finally:
+            if held_slots:
+                # Refused, or it failed half way: the destination lets the slots go
+                # (a member move_in reached is built, not let go).
+                with contextlib.suppress(RayActorError):
+                    await dst.cancel_moved.remote(members)
             update = self.placement.end_move(source, dest)
             await self._apply(update)
         self._events += 1
