@@ -190,53 +190,60 @@ def test_a_bucket_holds_no_slot_it_lacks_for_members_moving_in():
     assert asyncio.run(scenario()) == (False, False, True)
 
 
-def read_on(pool, member: str, bucket: str, handle, results: list[dict], moved_away_from: str) -> str:
-    """Read ``member``'s results as its trial does (following a move) until three
-    came from a bucket other than ``moved_away_from``; the bucket it reads at the end."""
-    import ray
-    from ray.exceptions import GetTimeoutError
-
+def read_on(trial, results: list[dict], moved_away_from: str, limit: int = 300) -> None:
+    """``trial`` steps (a ChorusTrainable, following its member if it moves) until
+    three results came from a bucket other than ``moved_away_from``."""
     while sum(r[rk.BUCKET] != moved_away_from for r in results) < 3:
-        assert len(results) < 300, f"{member} never moved"
-        try:
-            results.append(ray.get(handle.next_result.remote(member), timeout=60))
-        except Moved:
-            bucket, handle = ray.get(pool.moved_to.remote(member, bucket))
-        except GetTimeoutError:
-            pytest.fail("no result for a minute")
-    return bucket
+        assert len(results) < limit, f"{trial.trial_id}'s member never moved"
+        results.append(trial.step())
 
 
-def test_the_pool_moves_a_sparse_buckets_members_into_another_of_their_key_and_closes_the_emptied_one():
-    # End to end through the pool actor and two bucket actors: six members
-    # seated in buckets of four (four and two); two of the first leave. The
-    # pool moves the second bucket's two members into the first, and the
-    # second closes once their unread results are read. One had read a
-    # result there; the other's trial starts after the move and is sent there
-    # first. Each reads the old bucket's queue, hears Moved, and reads on in
-    # the new one, every result on its reference.
+def test_a_sparse_buckets_members_move_into_another_of_their_key_and_their_trials_follow_them(tmp_path):
+    # End to end through the pool actor, two bucket actors and two
+    # ChorusTrainables (stepped here, as Tune steps them): six members seated
+    # in buckets of four (four and two); two of the first leave. The pool
+    # moves the second bucket's two members into the first, and the second
+    # closes once their unread results are read. One trial had read a result
+    # there; the other starts only after the move and is sent there first.
+    # Each reads the old bucket's queue, hears Moved, and reads on in the new
+    # one, every result on its reference; a checkpoint then is exact.
     import ray
 
-    from chorus_tune.tune.execution.pool import get_pool, task_id
+    from chorus_tune.tune import ChorusTrainable
+    from chorus_tune.tune.execution.pool import get_pool
 
-    task_blob = cloudpickle.dumps(digits_task())
-    options = BucketOptions(bucket_size=4, max_buckets=2, route="vmap", gather_s=0.0, idle_close_s=0.5)
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, max_buckets=2, route="vmap", gather_s=0.0,
+                                         idle_close_s=0.5)
+    options = trainable.bucket_options()
     plan = Plan(budget=10_000, bucket_decides=True)  # trains on while the test reads: left at its end
     pool = get_pool(create=True)
     seats = [(f"rg{i}", {"lr": 0.05 * (i + 1), "seed": i}, i) for i in range(6)]
-    assert set(ray.get(pool.seat.remote(seats, task_id(task_blob), task_blob, options, plan)).values()) == {"seated"}
-    source, handle = ray.get(pool.await_placement.remote("rg4"), timeout=120)
-    early = [ray.get(handle.next_result.remote("rg4"))]  # its trial has read one result before the move
+    seated = ray.get(pool.seat.remote(seats, trainable._task_id, trainable._task_blob, options, plan))
+    assert set(seated.values()) == {"seated"}
+    source, _ = ray.get(pool.await_placement.remote("rg4"), timeout=120)
+
+    def trial_for(member: str):
+        named = type(f"reads_{member}", (trainable,), {"trial_id": f"trial-{member}"})
+        reader = named(config=dict(seats[int(member[2:])][1]))
+        assert ray.get(pool.bind.remote(reader.trial_id, [member])) == member
+        return reader
+
+    early_trial = trial_for("rg4")
+    early = [early_trial.step()]  # read before the move
     for member in ("rg1", "rg2"):
         ray.get(pool.leave.remote(member))
-    dest = read_on(pool, "rg4", source, handle, early, moved_away_from=source)
-    late_bucket, late_handle = ray.get(pool.await_placement.remote("rg5"))  # a trial that starts only now
+    read_on(early_trial, early, moved_away_from=source)
+    late_trial = trial_for("rg5")  # starts only now
     late: list[dict] = []
-    assert read_on(pool, "rg5", late_bucket, late_handle, late, moved_away_from=source) == dest
+    read_on(late_trial, late, moved_away_from=source)
+    checkpoint = early_trial.save_checkpoint(str(tmp_path))
     stats = ray.get(pool.stats.remote())
-    for member in ("rg0", "rg3", "rg4", "rg5"):
+    for trial in (early_trial, late_trial):
+        trial.cleanup()
+    for member in ("rg0", "rg3"):
         ray.get(pool.leave.remote(member))
-    assert dest != source and late_bucket == source
+    dest = early[-1][rk.BUCKET]
+    assert dest != source and late[0][rk.BUCKET] == source and late[-1][rk.BUCKET] == dest
     assert stats[source]["moved_out"] == 2 and stats[source]["regroups"] == 1 and stats[dest]["moved_in"] == 2
     for member, results in (("rg4", early), ("rg5", late)):
         assert [r["iteration"] for r in results] == list(range(1, len(results) + 1))
@@ -244,6 +251,7 @@ def test_the_pool_moves_a_sparse_buckets_members_into_another_of_their_key_and_c
         history, _ = reference.train(digits_task(), config, seed=seed, iterations=len(results))
         for ours, theirs in zip(results, history):
             assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL), (member, ours["iteration"])
+    assert state_io.loads(checkpoint["member"])["iteration"] == len(early)
     deadline = time.monotonic() + 60.0  # not a timing assertion: a wait that must end
     while not ray.get(pool.stats.remote())[source]["closed"]:
         assert time.monotonic() < deadline, "the emptied bucket never closed"
