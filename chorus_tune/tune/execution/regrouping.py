@@ -205,7 +205,7 @@ def _plan_place(buckets: list[BucketView], draining: set[str]) -> list[Move]:
     received: set[str] = set()
     moves: list[Move] = []
     while True:
-        # The sparsest bucket empties first, into the fullest that has room.
+        # The sparsest bucket empties first (of two as sparse, the newer), into the fullest with room.
         sources = sorted((n for n in live if n not in emptied and n not in received and live[n] > 0
                           and pending[n] == 0 and all(u.movable for u in units[n])),
                          key=lambda n: (live[n], -order[n]))
@@ -220,7 +220,7 @@ def _plan_place(buckets: list[BucketView], draining: set[str]) -> list[Move]:
                 live[dest] += size
                 free[dest] -= size
                 received.add(dest)
-            live[source], free[source] = 0, free[source] + sum(len(u.members) for u in units[source])
+            live[source] = 0
             emptied.add(source)
             break
         else:
