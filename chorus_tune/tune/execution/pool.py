@@ -57,6 +57,9 @@ NAMESPACE = "chorus_tune"
 NEED_TASK = "chorus/need-task"
 QUEUED = "chorus/queued"
 _JOB_POLL_S = 2.0
+# How often the pool looks again for sparse buckets to regroup: a member that could not move
+# when a member left (being built, held at a rung, a join still on its way) may move later.
+_REGROUP_POLL_S = 2.0
 _DRAIN_POLL_S = 0.2
 # Why a member left, in its bucket's history: an earlier run seated it and no trial ever read it.
 UNREAD_AT_NEW_RUN = "unread when a new run started"
@@ -221,6 +224,7 @@ class ChorusPool:
             self._started = True
             log_to_actor_stdout(logger)  # its waits and losses, in the pool actor's own log
             asyncio.get_running_loop().create_task(self._watch_job())
+            asyncio.get_running_loop().create_task(self._regroup_loop())
 
     def _learn_task(self, task_id_: str, task_blob: bytes | None) -> bool:
         if task_id_ not in self.tasks:
@@ -699,6 +703,19 @@ class ChorusPool:
         record = self.placement.buckets.get(name) if self.placement is not None else None
         if record is not None and record.key.options.regroup:
             asyncio.get_running_loop().create_task(self._regroup(record.key))
+
+    async def _regroup_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_REGROUP_POLL_S)
+            if self.placement is None:
+                continue
+            counts: dict[GroupKey, int] = {}
+            for record in self.placement.buckets.values():
+                if record.members and record.key.options.regroup:
+                    counts[record.key] = counts.get(record.key, 0) + 1
+            for key, buckets in counts.items():
+                if buckets > 1:
+                    await self._regroup(key)
 
     async def _regroup(self, key: GroupKey) -> None:
         """Empty sparse buckets of ``key`` into the others (one regrouping per key at a time)."""
