@@ -44,7 +44,8 @@ def reference_metric(task, configs, iterations, metric="val_loss"):
 
 
 def _bucket_cohorts(events):
-    """{(bucket, fused iteration, rung): [(trial_id, training_iteration)]} of the results a bucket decided.
+    """{(bucket, fused iteration, rung, cohort token): [(trial_id, training_iteration)]} of the results a
+    bucket decided.
 
     The rung is part of the key: in one fused iteration a bucket can halve two
     cohorts, refilled members reaching the first rung while older ones reach
@@ -56,7 +57,8 @@ def _bucket_cohorts(events):
     sizes = {}
     for kind, tid, it, result in events:
         if kind == "result" and result.get(rk.DECISION) in ("CONTINUE", "STOP"):
-            key = (result[rk.BUCKET], result[rk.BUCKET_ITERATION], it)
+            # A cohort moved in from another bucket is halved apart (its token: regrouping.py).
+            key = (result[rk.BUCKET], result[rk.BUCKET_ITERATION], it, result.get(rk.COHORT))
             cohorts[key].append((tid, it))
             sizes[key] = result[rk.COHORT_SIZE]
     for key, members in cohorts.items():

@@ -96,3 +96,21 @@ def test_a_bucket_opened_while_the_names_are_read_does_not_disturb_the_reading()
         read.append(name)
         history.opened("b2", "MLP", 4, [], None)
     assert read == ["b1"] and list(history.names()) == ["b1", "b2"]
+
+
+def test_a_regroup_is_counted_in_both_buckets_entries():
+    history = BucketHistory()
+    history.opened("b1", "MLP", 16, [], None)
+    history.opened("b2", "MLP", 16, [], None)
+    history.regrouped("b2", "b1", ["m1", "m2"])
+    history.regrouped("b2", "b1", ["m3"])
+    assert (history.report("b2", [])["regroups"], history.report("b2", [])["moved_out"]) == (2, 3)
+    assert history.report("b1", [])["moved_in"] == 3 and "regroups" not in history.report("b1", [])
+
+
+def test_a_buckets_place_is_its_node_device_and_gpus():
+    history = BucketHistory()
+    history.opened("b1", "MLP", 16, [], None)
+    assert history.place_of("b1") == (None, None, ())  # not started yet
+    history.started("b1", {"node_id": "n1", "device": "cuda:0", "gpu_ids": ["3"]})
+    assert history.place_of("b1") == ("n1", "cuda:0", ("3",))

@@ -31,6 +31,6 @@ def test_pure_policy_modules_do_not_import_ray():
             "chorus_tune.tune.execution.readers, chorus_tune.tune.execution.bucket_history, "
             "chorus_tune.tune.execution.seat_book, chorus_tune.tune.execution.closing, "
             "chorus_tune.tune.execution.wait_status, chorus_tune.tune.execution.opening, "
-            "chorus_tune.tune.execution.waits; "
+            "chorus_tune.tune.execution.waits, chorus_tune.tune.execution.regrouping; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

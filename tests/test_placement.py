@@ -1,6 +1,8 @@
 """Which bucket a member goes to (Ray-free: the pool actor is an adapter over Placement)."""
 from __future__ import annotations
 
+import pytest
+
 from chorus_tune.tune.execution.placement import Placement
 
 
@@ -107,3 +109,68 @@ def test_closing_a_dead_bucket_returns_its_trials_and_places_waiters():
     members, update = p.close("chorus-bucket-1")
     assert members == ["t1"] and p.bucket_of("t1") is None
     assert [(x.trial_id, x.bucket, x.opened) for x in update.placed] == [("t2", "chorus-bucket-2", True)]
+
+
+# ----- members moving between buckets of one key (regrouping) ------------------------------------------
+def _two_buckets() -> Placement:
+    p = Placement(max_buckets=3)
+    for i in range(3):
+        p.request(f"t{i}", "k", 2)  # bucket-1: t0, t1; bucket-2: t2
+    return p
+
+
+def test_buckets_in_a_move_offer_no_slot_and_their_key_opens_no_other_bucket_meanwhile():
+    p = _two_buckets()
+    assert p.begin_move("chorus-bucket-2", "chorus-bucket-1") == (["t2"], ["t0", "t1"])
+    assert p.request("t3", "k", 2) is None and p.is_waiting("t3")
+    assert p.begin_compaction("chorus-bucket-1") is None  # nor compacts
+
+
+def test_a_move_hands_the_members_to_the_other_bucket_and_the_emptied_one_is_idle():
+    p = Placement(max_buckets=3)
+    p.request("t0", "k", 3)
+    p.request("t1", "k", 3)
+    p.request("t2", "k", 3)
+    p.request("t3", "k", 3)  # bucket-2
+    p.remove("t1")
+    p.begin_move("chorus-bucket-2", "chorus-bucket-1")
+    p.move(["t3"], "chorus-bucket-2", "chorus-bucket-1")
+    update = p.end_move("chorus-bucket-2", "chorus-bucket-1")
+    assert p.bucket_of("t3") == "chorus-bucket-1" and "t3" in p.buckets["chorus-bucket-1"].ever
+    assert p.buckets["chorus-bucket-1"].members == ["t0", "t2", "t3"]
+    assert update.idle == ["chorus-bucket-2"]
+
+
+def test_a_move_places_the_members_that_waited_while_it_ran():
+    p = _two_buckets()
+    p.begin_move("chorus-bucket-2", "chorus-bucket-1")
+    p.request("t3", "k", 2)
+    update = p.end_move("chorus-bucket-2", "chorus-bucket-1")
+    assert [(x.trial_id, x.bucket) for x in update.placed] == [("t3", "chorus-bucket-2")]
+
+
+def test_a_move_is_refused_between_keys_busy_buckets_or_a_bucket_and_itself():
+    p = _two_buckets()
+    p.request("u0", "other", 2)
+    assert p.begin_move("chorus-bucket-1", "chorus-bucket-3") is None  # another key
+    assert p.begin_move("chorus-bucket-1", "chorus-bucket-1") is None
+    p.begin_compaction("chorus-bucket-2")
+    assert p.begin_move("chorus-bucket-2", "chorus-bucket-1") is None
+
+
+def test_a_move_into_a_bucket_without_room_raises():
+    p = _two_buckets()
+    p.begin_move("chorus-bucket-2", "chorus-bucket-1")
+    with pytest.raises(ValueError, match="no room"):
+        p.move(["t2"], "chorus-bucket-2", "chorus-bucket-1")
+
+
+def test_a_bucket_holding_members_is_refilled_before_an_empty_one_of_its_key():
+    # An emptied bucket (regrouping moved its members away) is closing: refilled
+    # first, it would train its new members apart from the others.
+    p = Placement(max_buckets=2)
+    for i in range(3):
+        p.request(f"t{i}", "k", 2)  # bucket-1: t0, t1; bucket-2: t2
+    p.remove("t0")
+    p.remove("t1")  # bucket-1 empty, bucket-2 holds t2
+    assert p.request("t3", "k", 2).bucket == "chorus-bucket-2"

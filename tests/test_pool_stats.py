@@ -28,3 +28,15 @@ def test_a_bucket_opening_while_the_stats_are_read_does_not_break_them():
     pool.handles["b1"] = Describing(lambda: pool.history.opened("b2", "MLP", 4, [], None))
     stats = asyncio.run(pool.stats())
     assert list(stats) == ["b1"] and stats["b1"]["node_id"] == 0
+
+
+def test_a_moved_members_trial_is_sent_to_its_old_bucket_while_results_wait_there():
+    # Regrouping left the member's unread results in its old bucket: its trial
+    # reads those first (then hears Moved), whatever bucket holds it now.
+    pool = ChorusPool("job")
+    pool.handles.update({"old": object(), "new": object()})
+    pool.book.house("m", "new")
+    pool._draining["m"] = "old"
+    assert asyncio.run(pool.bucket_of("m"))[0] == "old"
+    del pool._draining["m"]
+    assert asyncio.run(pool.bucket_of("m"))[0] == "new"

@@ -22,6 +22,7 @@ WASTED = "chorus/wasted"  # member-iterations this bucket computed that no trial
 DECISION = "chorus/decision"  # at a rung: "CONTINUE"/"STOP" decided for the cohort, or "HELD" (alone)
 COHORT_SIZE = "chorus/cohort_size"  # at a rung: members of the bucket that reached it together
 COHORT_RANK = "chorus/cohort_rank"  # at a rung: this member's rank in its cohort (1 = best)
+COHORT = "chorus/cohort"  # at a rung, for members moved in from another bucket: the cohort token they carry
 RETIRED = "chorus/retired"  # the member trains no more and this trial asked beyond its last result
 ROUTE_REASON = "chorus/route_reason"  # why the bucket runs its route: a chorus_tune.route.RouteReason value
 
@@ -47,6 +48,7 @@ ALL = (
     DECISION,
     COHORT_SIZE,
     COHORT_RANK,
+    COHORT,
     RETIRED,
     ROUTE_REASON,
 )

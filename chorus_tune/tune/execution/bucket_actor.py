@@ -34,6 +34,7 @@ from . import liveness
 from .liveness import ActorId
 from .members import MemberBook, Phase, Plan, StopRecord
 from .options import BucketOptions, Join
+from .regrouping import broken_units, member_view, moved_error
 from .resources import bucket_threads, pick_device
 from .waits import Evicted, idle_members
 
@@ -151,6 +152,7 @@ class ChorusBucket:
         # the results after its ``taken`` up to this one may be in its trial's hands.
         self._fetched: dict[str, int] = {}
         self.evicted: set[str] = set()  # members whose slot went to a waiting member (evict_idle)
+        self.moved: dict[str, str] = {}  # members that train in another bucket now (regrouping) -> that bucket
         self._joining: dict[str, asyncio.Task] = {}
         self._lock: asyncio.Lock | None = None
         self._wake: asyncio.Event | None = None
@@ -220,6 +222,7 @@ class ChorusBucket:
         self.evicted.discard(member)
         if fresh:
             self._fetched.pop(member, None)
+        self.moved.pop(member, None)
         if member not in self.ever:
             self.ever.append(member)
         if join is not None and member not in self._joining:
@@ -231,7 +234,7 @@ class ChorusBucket:
         member seated before it, which it may never read (its actor can die
         first), so the member would hold its slot for good."""
         record = self.book.get(member)
-        if record is not None and record.phase is not Phase.LEFT and client is not None:
+        if record is not None and record.phase is not Phase.LEFT and client is not None and member not in self.moved:
             self.clients[member] = client
 
     def _start_build(self, member: str, join: Join) -> asyncio.Task:
@@ -274,6 +277,7 @@ class ChorusBucket:
                     self.book.set_plan(member, join.plan)  # unless a scheduler's plan came meanwhile
                 self.book.place(member, slot, iteration=0 if state is None else int(state["iteration"]),
                                 state=state)
+                self.book.get(member).cohort = join.cohort  # moved in: its cohort's token (regrouping.py)
                 if len(self.core.live_slots) == 1 and self.core.fused_steps == 0:  # first member: structure known
                     logger.info("%s: structure %s; per member: %s; shared configuration: %s", self.name,
                                 self.model_name, ", ".join(self.core.stack.settings) or "nothing",
@@ -405,6 +409,8 @@ class ChorusBucket:
         does not hold the one asked for says so."""
         self._start()
         record = self.book.get(member)
+        if member in self.moved and (record is None or record.phase is Phase.LEFT):
+            raise moved_error(member, self.name)  # its state is the new bucket's to give
         if record is not None and record.phase is not Phase.LEFT:
             self.book.read_to(member, at)
             if at is not None and record.taken != at:
@@ -443,6 +449,114 @@ class ChorusBucket:
         logger.info("%s: compacted to %d slots", self.name, self.core.capacity)
         self.metrics.compacted(self.live, self.core.capacity)
         return self.core.capacity
+
+    # ----- regrouping: members move to another bucket of their structure (regrouping.py, D3) ------
+    async def regroup_view(self) -> dict[str, Any]:
+        """What the pool's regrouping rule needs of this bucket: its capacity,
+        the members in its slots (``regrouping.MemberView``), those placed here
+        but not built yet, and those that moved away whose trials still read
+        results left here (``draining``)."""
+        self._start()
+        draining = [m for m in self.moved if (r := self.book.get(m)) is not None and r.phase is not Phase.LEFT]
+        return {"capacity": self.core.capacity, "pending": self.book.reserved(), "draining": draining,
+                "members": [member_view(r, self.book.limit(r)) for r in self.book.in_slots()]}
+
+    def _holds(self) -> set[str]:
+        return {r.member for r in self.book.in_slots()} | set(self.book.reserved())
+
+    async def reserve_moved(self, members: list[str], expected: list[str]) -> bool:
+        """Hold slots for ``members``, which move here from another bucket:
+        only while this bucket's book holds exactly ``expected`` (the members
+        the pool holds here) and it has the free slots. No iteration starts
+        until :meth:`move_in` builds them (they join together) or
+        :meth:`cancel_moved` lets them go."""
+        self._start()
+        async with self._lock:
+            if self._holds() != set(expected) or len(self.core.free_slots) - len(self.book.reserved()) < len(members):
+                return False
+            if any((r := self.book.get(m)) is not None and r.phase is not Phase.LEFT for m in members):
+                return False  # results of an earlier stay here still drain
+            for member in members:
+                self.book.reserve(member, Plan()).building = True
+        return True
+
+    async def cancel_moved(self, members: list[str]) -> None:
+        """The move of ``members`` (reserved by :meth:`reserve_moved`) did not happen."""
+        for member in members:
+            record = self.book.get(member)
+            if record is not None and record.phase is Phase.RESERVED and member not in self._joining:
+                self.book.leave(member)
+                record.building = False
+        self._poke()
+
+    async def take_out(self, moving: dict[str, str | None], expected: list[str], dest: str) -> list[dict] | None:
+        """Take ``moving`` (member -> the cohort token it carries) out of their
+        slots, between iterations, for bucket ``dest``: each one's state now,
+        config, seed, plan, token and trial actor. Refused (``None``) unless
+        this book holds exactly ``expected`` (the members the pool holds here),
+        every one can move (``regrouping.member_view``) and no cohort is split
+        (``regrouping.broken_units``). Results they queued here stay: their
+        trials read them here first, then hear :class:`Moved`."""
+        self._start()
+        async with self._lock:
+            in_slots = self.book.in_slots()
+            views = {r.member: member_view(r, self.book.limit(r)) for r in in_slots}
+            if (self._holds() != set(expected) or any(m not in views or not views[m].movable for m in moving)
+                    or broken_units(views.values(), moving)):
+                return None
+            out = []
+            for member, token in moving.items():
+                record = self.book.get(member)
+                slot = record.slot
+                state = self.core.member_state(slot)  # at record.produced: it goes on from there
+                self.book.move_out(member)
+                self.core.retire(slot)
+                out.append({"member": member, "state": state_io.dumps(state), "config": dict(state["config"]),
+                            "seed": int(state["seed"]), "plan": record.plan, "cohort": token,
+                            "client": self.clients.get(member), "queued": len(record.queue)})
+        for item in out:
+            member = item["member"]
+            self.moved[member] = dest
+            self.clients.pop(member, None)  # the new bucket watches its trial now
+            if not item["queued"]:
+                self._moved_on(member, raise_moved=False)
+        self.metrics.members(self.live, self.core.capacity)
+        self._poke()
+        return out
+
+    async def move_in(self, items: list[dict]) -> None:
+        """Build the members :meth:`take_out` gave (reserved by :meth:`reserve_moved`)
+        from their states, all in one go: they train their next iteration
+        together, and their cohort tokens keep them apart from this bucket's own."""
+        self._start()
+        for item in items:  # no await in between: the train loop sees all of them building
+            member = item["member"]
+            record = self.book.get(member)
+            if record is None or record.phase is not Phase.RESERVED:
+                continue
+            self.moved.pop(member, None)
+            self.retired.pop(member, None)
+            self.evicted.discard(member)
+            self.clients[member] = item["client"]
+            if member not in self.ever:
+                self.ever.append(member)
+            self.book.set_plan(member, item["plan"])
+            self._start_build(member, Join(config=item["config"], seed=item["seed"], state=item["state"],
+                                           plan=item["plan"], cohort=item["cohort"]))
+
+    def _moved_on(self, member: str, raise_moved: bool = True) -> None:
+        """``member`` moved away: once its trial has read every result left
+        here, it is gone from this bucket (and its trial, asking, hears
+        :class:`Moved`); before that its results are read as ever."""
+        record = self.book.get(member)
+        if record is not None and record.phase is not Phase.LEFT:
+            if record.queue:
+                return
+            self.book.leave(member)  # nothing unread: nothing wasted
+            self._resolve(member)
+            self.metrics.members(self.live, self.core.capacity)
+        if raise_moved:
+            raise moved_error(member, self.name)
 
     def _notify_pool(self, member: str, reason: str, error: BaseException | None = None) -> None:
         if self._pool is not None:
@@ -483,6 +597,8 @@ class ChorusBucket:
         ``join`` is given by a trial on its first request: the member is built
         then (a member seated by ChorusSearch was built already)."""
         self._start()
+        if member in self.moved:
+            self._moved_on(member)  # Moved, once its trial has read what it left here
         if member in self.evicted:
             raise Evicted(f"member {member} gave its slot in bucket {self.name} to a waiting member: its trial "
                           "had not asked for a result for a while; it rejoins from its last result")
@@ -536,7 +652,9 @@ class ChorusBucket:
             self._waiters.pop(member, None)
             return
         record = self.book.get(member)
-        if record is None or record.phase is Phase.LEFT:
+        if member in self.moved and (record is None or record.phase is Phase.LEFT):
+            waiter.set_exception(moved_error(member, self.name))
+        elif record is None or record.phase is Phase.LEFT:
             waiter.set_result(self._retired_result(member))
         elif record.phase is Phase.FAILED:
             waiter.set_exception(record.error)

@@ -50,6 +50,21 @@ class BucketHistory:
     def node_of(self, name: str) -> str | None:
         return self._entries.get(name, {}).get("node_id")
 
+    def place_of(self, name: str) -> tuple:
+        """Where bucket ``name`` trains: its node, device and GPUs (members regroup only within one place)."""
+        entry = self._entries.get(name, {})
+        return entry.get("node_id"), entry.get("device"), tuple(entry.get("gpu_ids") or ())
+
+    def regrouped(self, source: str, dest: str, members: list[str]) -> None:
+        """``members`` moved from bucket ``source`` to bucket ``dest`` (regrouping):
+        ``regroups`` counts the moves out of a bucket, ``moved_out``/``moved_in`` the members."""
+        if source in self._entries:
+            entry = self._entries[source]
+            entry["regroups"] = entry.get("regroups", 0) + 1
+            entry["moved_out"] = entry.get("moved_out", 0) + len(members)
+        if dest in self._entries:
+            self._entries[dest]["moved_in"] = self._entries[dest].get("moved_in", 0) + len(members)
+
     def note(self, name: str | None, reason: str, member: str) -> None:
         """``member`` left bucket ``name`` for ``reason`` (e.g. ``"reaped"``);
         ``None``: it was in no bucket, and nothing is noted."""

@@ -61,6 +61,6 @@ def compaction_due(placement: Placement | None, name: str) -> bool:
     its options let it compact, and :func:`~.grouping.should_compact` says so
     with the members of its key waiting for a slot."""
     record = placement.buckets.get(name) if placement is not None else None
-    if record is None or not record.key.options.compact or record.compacting:
+    if record is None or not record.key.options.compact or record.busy:
         return False
     return should_compact(record.capacity, len(record.members), placement.waiting_for(record.key))

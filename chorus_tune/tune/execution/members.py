@@ -148,6 +148,9 @@ class MemberRecord:
     final: int | None = None  # the iteration the bucket made its last (budget, a rung's stop, a stop criterion)
     wasted: int = 0
     error: BaseException | None = None
+    # A cohort token carried from another bucket (regrouping.py): cohorts form
+    # only among members of one token. None: never moved (D11's rule as it is).
+    cohort: str | None = None
 
     @property
     def in_slot(self) -> bool:
@@ -336,6 +339,16 @@ class MemberBook:
         record.phase, record.slot = Phase.LEFT, None
         return slot
 
+    def move_out(self, member: str) -> int:
+        """``member`` goes on training in another bucket (regrouping.py): it
+        trains here no more and frees its slot (returned); the results it has
+        queued stay, for its trial to read first. Nothing it computed is
+        wasted, and its trial's leave is no stop of Tune's."""
+        record = self._get(member)
+        if not record.in_slot:
+            raise ValueError(f"member {member} is {record.phase.value}, not in a slot")
+        return self._finish(record)
+
     def renumber(self, remap: dict[int, int]) -> None:
         """Slots after a compaction: ``{old: new}``."""
         for record in self.records.values():
@@ -498,8 +511,8 @@ class MemberBook:
             record.queue.append(Entry(record.produced, result, state))
             plan = record.plan
             if plan.bucket_decides and record.produced in plan.rungs and record.produced != plan.budget:
-                reached.setdefault((record.produced, plan), []).append(record)
-        for (rung, plan), cohort in reached.items():
+                reached.setdefault((record.produced, plan, record.cohort), []).append(record)
+        for (rung, plan, _), cohort in reached.items():
             self._decide(rung, plan, cohort)
         freed = []
         for member in outputs:
@@ -518,6 +531,9 @@ class MemberBook:
 
     def _decide(self, rung: int, plan: Plan, cohort: list[MemberRecord]) -> None:
         entries = {r.member: r.queue[-1] for r in cohort}
+        if cohort[0].cohort is not None:
+            for entry in entries.values():
+                entry.result[rk.COHORT] = cohort[0].cohort  # moved in: halved with its own cohort only
         if len(cohort) == 1:
             record = cohort[0]
             record.phase, record.hold_at = Phase.HELD, rung

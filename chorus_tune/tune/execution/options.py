@@ -60,6 +60,10 @@ class BucketOptions:
     bucket whose live members fall to half its slots or fewer, with no member
     of its key waiting, shrinks to them ``compact_after_s`` after a member
     left (a trial reusing the leaver's actor refills the slot instead).
+    ``regroup``: when nothing of its key waits, a sparse bucket whose members
+    all fit into the free slots of other buckets of their structure on its
+    device moves them there and closes (survivors of rungs train together;
+    cohorts never mix: :mod:`chorus_tune.tune.execution.regrouping`).
     """
 
     bucket_size: int | str = DEFAULT_BUCKET_SIZE
@@ -76,6 +80,7 @@ class BucketOptions:
     max_buckets: int | None = None
     compact: bool = True
     compact_after_s: float = 1.0
+    regroup: bool = True
     max_bucket_size: int | None = None
     memory_fraction: float = 0.8
     memory_meter: Callable[[Any], Any] | None = field(default=None, compare=False)
@@ -165,12 +170,14 @@ class RungSchedule:
 @dataclass(frozen=True)
 class Join:
     """What a member enters its bucket with: its config, seed, plan and,
-    when it resumes, its member state (serialised, opaque here)."""
+    when it resumes, its member state (serialised, opaque here). ``cohort``:
+    the cohort token of a member moved in from another bucket (regrouping.py)."""
 
     config: dict = field(hash=False)
     seed: int
     state: bytes | None = None
     plan: Plan = field(default_factory=Plan)
+    cohort: str | None = None
 
 
 def derived_seed(trial_id: str) -> int:

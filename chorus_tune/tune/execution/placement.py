@@ -3,7 +3,9 @@
 Rules (docs/design.md D2, D9):
 - a trial goes to a bucket of its structural key with a free slot, oldest
   bucket first, so a bucket is filled to capacity before another of the same
-  key is opened;
+  key is opened; a bucket that holds members comes before an empty one (one
+  that regrouping emptied, D4, is closing: refilled, it trained its new
+  members apart from the bucket its old ones went to);
 - a new bucket is opened only within the budget (how many buckets the
   cluster's resources hold at once); otherwise the trial waits, first come
   first served, and is placed as soon as a slot of its key frees or a bucket
@@ -15,7 +17,10 @@ Rules (docs/design.md D2, D9):
 - a bucket that is compacting offers no slot until its new capacity is known,
   and a trial of its key waits for that rather than opening another bucket.
   Its slots are the bucket actor's to count then: a trial placed in a slot the
-  compaction was removing could not join ("bucket is full"), and failed.
+  compaction was removing could not join ("bucket is full"), and failed;
+- so is a bucket that members move into or out of (regrouping, D3): the
+  members move between its records only once the source has taken them out
+  (:meth:`Placement.move`).
 """
 from __future__ import annotations
 
@@ -34,10 +39,16 @@ class BucketRecord:
     members: list[str] = field(default_factory=list)
     ever: list[str] = field(default_factory=list)  # every trial it ever held, in order
     compacting: bool = False  # between begin_compaction and end_compaction: no free slot
+    regrouping: bool = False  # between begin_move and end_move: no free slot
 
     @property
     def free(self) -> int:
-        return 0 if self.compacting else self.capacity - len(self.members)
+        return 0 if self.compacting or self.regrouping else self.capacity - len(self.members)
+
+    @property
+    def busy(self) -> bool:
+        """Compacting, or in a move: its slots are the bucket actor's to count."""
+        return self.compacting or self.regrouping
 
 
 @dataclass(frozen=True)
@@ -146,7 +157,7 @@ class Placement:
         bucket actor must hold in its slots too for the compaction to go
         ahead; ``None`` when it is not open or already compacting."""
         record = self.buckets.get(name)
-        if record is None or record.compacting:
+        if record is None or record.busy:
             return None
         record.compacting = True
         return list(record.members)
@@ -162,11 +173,41 @@ class Placement:
                 record.capacity = capacity
         return self._settle()
 
+    def begin_move(self, source: str, dest: str) -> tuple[list[str], list[str]] | None:
+        """Members move from bucket ``source`` to bucket ``dest`` of the same
+        key (regrouping.py): neither offers a slot nor compacts until
+        :meth:`end_move`. Returns the members each holds now (the bucket actors
+        must hold exactly those for the move to go ahead); ``None`` when either
+        is not open, is busy, or they are of other keys."""
+        a, b = self.buckets.get(source), self.buckets.get(dest)
+        if a is None or b is None or a is b or a.busy or b.busy or a.key != b.key:
+            return None
+        a.regrouping = b.regrouping = True
+        return list(a.members), list(b.members)
+
+    def move(self, members: list[str], source: str, dest: str) -> None:
+        """``members`` left ``source`` for ``dest`` (between :meth:`begin_move` and :meth:`end_move`)."""
+        a, b = self.buckets[source], self.buckets[dest]
+        if len(b.members) + len(members) > b.capacity:
+            raise ValueError(f"bucket {dest} has no room for {len(members)} more members")
+        for member in members:
+            a.members.remove(member)
+            self._put(member, b, opened=False)
+
+    def end_move(self, source: str, dest: str) -> Update:
+        """The move is over: both offer their slots again; the trials that
+        waited meanwhile are placed (an emptied source is idle). Safe for a
+        bucket closed meanwhile."""
+        for name in (source, dest):
+            if name in self.buckets:
+                self.buckets[name].regrouping = False
+        return self._settle()
+
     # ----- internals --------------------------------------------------------------------------------
     def _try_place(self, trial_id: str, key: Hashable, capacity: int) -> Placed | None:
-        for record in self.buckets.values():
-            if record.key == key and record.free > 0:
-                return self._put(trial_id, record, opened=False)
+        open_ = [r for r in self.buckets.values() if r.key == key and r.free > 0]
+        if open_:
+            return self._put(trial_id, next((r for r in open_ if r.members), open_[0]), opened=False)
         if not self.can_open() or self._compacting(key):
             return None
         self._opened += 1
@@ -196,7 +237,8 @@ class Placement:
         return replace(placed, replaces=taken)
 
     def _compacting(self, key: Hashable) -> bool:
-        return any(r.key == key and r.compacting for r in self.buckets.values())
+        # A member of ``key`` waits for the new capacity (or the move) rather than opening a bucket.
+        return any(r.key == key and r.busy for r in self.buckets.values())
 
     def _put(self, trial_id: str, record: BucketRecord, opened: bool) -> Placed:
         record.members.append(trial_id)

@@ -42,6 +42,7 @@ from .opening import actor_options, bucket_options
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
 from .readers import Readers
+from .regrouping import BucketView, Move, plan_regroup
 from .resources import bucket_budget, bucket_resources, shared_threads
 from .run_stops import RunStops
 from .scouts import Scouts
@@ -56,6 +57,9 @@ NAMESPACE = "chorus_tune"
 NEED_TASK = "chorus/need-task"
 QUEUED = "chorus/queued"
 _JOB_POLL_S = 2.0
+# How often the pool looks again for sparse buckets to regroup: a member that could not move
+# when a member left (being built, held at a rung, a join still on its way) may move later.
+_REGROUP_POLL_S = 2.0
 _DRAIN_POLL_S = 0.2
 # Why a member left, in its bucket's history: an earlier run seated it and no trial ever read it.
 UNREAD_AT_NEW_RUN = "unread when a new run started"
@@ -200,6 +204,13 @@ class ChorusPool:
         # trials, and their members held back for their cohort.
         self.scouts = Scouts(lambda delay_s, callback: asyncio.get_running_loop().call_later(delay_s, callback))
         self._stops = RunStops()  # where Tune stopped trials early, per bucket: shared across the run
+        # Regrouping (regrouping.py): members that moved with results still to
+        # read in their old bucket -> that bucket; keys being regrouped now, and
+        # those asked again meanwhile; cohort tokens handed out.
+        self._draining: dict[str, str] = {}
+        self._regrouping: set[GroupKey] = set()
+        self._regroup_again: set[GroupKey] = set()
+        self._tokens = 0
         # Counts every change of membership, start and loss: with the buckets'
         # iterations, what tells a long wait from a stalled one (wait_status).
         self._events = 0
@@ -214,6 +225,7 @@ class ChorusPool:
             self._started = True
             log_to_actor_stdout(logger)  # its waits and losses, in the pool actor's own log
             asyncio.get_running_loop().create_task(self._watch_job())
+            asyncio.get_running_loop().create_task(self._regroup_loop())
 
     def _learn_task(self, task_id_: str, task_blob: bytes | None) -> bool:
         if task_id_ not in self.tasks:
@@ -359,13 +371,13 @@ class ChorusPool:
             if failure is not None:
                 raise failure
             seat = self.book.join_of(member)
-            name = self.book.home(member)
+            home, name = self.book.home(member), self._read_from(member)
             # Its bucket watches this trial's actor from now on, not only once
             # it first reads: an actor that dies before would leave the member
             # holding its slot for good.
             self.clients[member] = client
-            if name in self.handles and client is not None:
-                self.handles[name].watch.remote(member, client)
+            if home in self.handles and client is not None:
+                self.handles[home].watch.remote(member, client)
             return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, token)
         key = self._key(task_id_, options, config)
         size = await self._bucket_size(key, options, config)
@@ -382,7 +394,7 @@ class ChorusPool:
         await asyncio.wait({realizing}, timeout=_REALIZE_WAIT_S)
         if trial_id in self._unplaced:
             raise self._unplaced.pop(trial_id)
-        name = self.book.home(trial_id)
+        name = self._read_from(trial_id)
         return Reservation(trial_id, seed, plan, name, self.handles.get(name), False, token)
 
     async def await_placement(self, member: str):
@@ -390,7 +402,7 @@ class ChorusPool:
         (and its bucket expects it)."""
         if member in self._unplaced:
             raise self._unplaced[member]
-        name = self.book.home(member)
+        name = self._read_from(member)
         if name is None:
             placed = self.scouts.is_held(member) or self.placement is not None and (
                 self.placement.is_waiting(member) or self.placement.bucket_of(member) is not None)
@@ -632,16 +644,25 @@ class ChorusPool:
                     await self.handles[name].leave.remote(member, read=read)
                 except RayActorError:
                     pass  # the bucket died: its death watch cleans up
+            source = self._draining.pop(member, None)
+            if source is not None and source in self.handles:
+                # It moved, with results unread in its old bucket: they go too.
+                with contextlib.suppress(RayActorError):
+                    await self.handles[source].leave.remote(member)
         finally:
             self.leaving.end(member)
         await self._apply(update)
         if name is not None:
+            self._later_regroup(name)
             self._later_compact(name)
 
     async def member_out(self, name: str, member: str, reason: str, error: BaseException | None = None) -> None:
         """Bucket ``name`` says ``member`` no longer needs its slot: it
         ``"finished"`` (its results still drain from the bucket), or ``"failed"``
         (with ``error``) or was ``"reaped"``. The slot goes to a waiting member."""
+        if self.book.home(member) not in (None, name) and (
+                self.placement is None or self.placement.bucket_of(member) != name):
+            return  # it moved on (regrouping): a bucket it left says nothing of it
         self.book.out(member, reason)
         if reason == "reaped":
             self.history.note(name, reason, member)
@@ -654,6 +675,7 @@ class ChorusPool:
             # the member nowhere and failed with an error that said nothing of it.
             self._unplaced[member] = error
         await self._apply(self.placement.remove(member))
+        self._later_regroup(name)
         self._later_compact(name)
 
     def _later_compact(self, name: str) -> None:
@@ -662,6 +684,11 @@ class ChorusPool:
 
     async def _maybe_compact(self, name: str, delay_s: float = 0.0, tries: int = _COMPACT_TRIES) -> None:
         await asyncio.sleep(delay_s)
+        record = self.placement.buckets.get(name) if self.placement is not None else None
+        if record is not None and compaction_due(self.placement, name):
+            # Emptied into the other buckets of its key, it closes instead; and
+            # a compacted bucket has no free slot left for others' survivors.
+            await self._regroup(record.key)
         handle = self.handles.get(name)
         if handle is None or not compaction_due(self.placement, name):
             return
@@ -684,6 +711,164 @@ class ChorusPool:
             # Refused: a leave or join is still on its way to it. Looked at again shortly.
             asyncio.get_running_loop().create_task(
                 self._maybe_compact(name, compact_after_s(self.placement, name), tries - 1))
+
+    # ----- regrouping: survivors move together (regrouping.py, docs/design.md D3) ------------------
+    def _later_regroup(self, name: str) -> None:
+        record = self.placement.buckets.get(name) if self.placement is not None else None
+        if record is not None and record.key.options.regroup:
+            asyncio.get_running_loop().create_task(self._regroup(record.key))
+
+    async def _regroup_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_REGROUP_POLL_S)
+            if self.placement is None:
+                continue
+            counts: dict[GroupKey, int] = {}
+            for record in self.placement.buckets.values():
+                if record.members and record.key.options.regroup:
+                    counts[record.key] = counts.get(record.key, 0) + 1
+            for key, buckets in counts.items():
+                if buckets > 1:
+                    await self._regroup(key)
+
+    async def _regroup(self, key: GroupKey) -> None:
+        """Empty sparse buckets of ``key`` into the others (one regrouping per key at a time)."""
+        if not key.options.regroup:
+            return
+        if key in self._regrouping:
+            self._regroup_again.add(key)  # looked at again once the one running ends
+            return
+        self._regrouping.add(key)
+        try:
+            while True:
+                self._regroup_again.discard(key)
+                for move in await self._plan_regroup(key):
+                    if not await self._move(move):
+                        break  # something changed under it: the next look decides afresh
+                if key not in self._regroup_again:
+                    return
+        except Exception:  # noqa: BLE001 - a regrouping that fails leaves every member where it was
+            logger.exception("pool: regrouping %s", key.model_name)
+        finally:
+            self._regrouping.discard(key)
+
+    async def _plan_regroup(self, key: GroupKey) -> list[Move]:
+        if self.placement is None or self.placement.waiting_for(key):
+            return []
+        names = [n for n, r in self.placement.buckets.items()
+                 if r.key == key and r.members and n in self.handles and self.history.has_started(n)]
+        if len(names) < 2:
+            return []
+
+        async def view(name: str):
+            try:
+                return await asyncio.wait_for(asyncio.wrap_future(self.handles[name].regroup_view.remote().future()),
+                                              10.0)
+            except Exception:  # noqa: BLE001 - busy or dead: it takes no part this time
+                return None
+
+        views, draining = [], set()
+        for name, seen in zip(names, await asyncio.gather(*(view(n) for n in names))):
+            record = self.placement.buckets.get(name)
+            if seen is None or record is None:
+                continue
+            draining.update(seen["draining"])
+            holds = {m.member for m in seen["members"]} | set(seen["pending"])
+            # As compaction requires: its book holds exactly the members the pool holds there.
+            ready = not record.busy and holds == set(record.members) and seen["capacity"] == record.capacity
+            views.append(BucketView(name, record.capacity, tuple(seen["members"]), len(seen["pending"]), ready,
+                                    self.history.place_of(name)))
+        for member, source in list(self._draining.items()):
+            if source in names and member not in draining:
+                del self._draining[member]  # its trial read what it left there
+        return plan_regroup(views, self.placement.waiting_for(key), draining | set(self._draining))
+
+    async def _move(self, move: Move) -> bool:
+        """Move ``move``'s members: the destination holds their slots, the
+        source takes them out between iterations (their queued results stay
+        there for their trials), the destination builds them from their
+        states. Whether they moved; a refusal anywhere leaves every member where it was."""
+        source, dest = move.source, move.dest
+        held = self.placement.begin_move(source, dest)
+        if held is None:
+            return False
+        expected_source, expected_dest = held
+        members = list(move.members)
+        items, housed, held_slots = None, [], False
+        src, dst = self.handles.get(source), self.handles.get(dest)
+        try:
+            if src is None or dst is None or not await dst.reserve_moved.remote(members, expected_dest):
+                return False
+            held_slots = True  # until move_in: the destination trains nobody while it holds them
+            tokens = {}
+            for unit in move.units:
+                self._tokens += 1
+                tokens.update(dict.fromkeys(unit.members, unit.carries(f"{source}/{self._tokens}")))
+            items = await src.take_out.remote(tokens, expected_source, dest)
+            if items is None:
+                return False
+            # A member whose trial left meanwhile stays behind (its old bucket was told).
+            gone = [m for m in members if self.placement.bucket_of(m) != source]
+            items = [item for item in items if item["member"] not in gone]
+            # A KeyError if either closed meanwhile: only a bucket that died does.
+            self.placement.move([item["member"] for item in items], source, dest)
+            await dst.move_in.remote(items)
+            held_slots = False
+            if gone:
+                await dst.cancel_moved.remote(gone)
+            for item in items:
+                if self.placement.bucket_of(item["member"]) != dest:
+                    # It left while its new bucket was told (its leave went to the old one).
+                    with contextlib.suppress(RayActorError):
+                        await dst.leave.remote(item["member"], keep_state=False)
+                    continue
+                self.book.house(item["member"], dest)
+                housed.append(item["member"])
+                if item["queued"]:
+                    self._draining[item["member"]] = source
+                client = self.clients.get(item["member"])
+                if client is not None and item["client"] is None:
+                    dst.watch.remote(item["member"], client)  # bound to its trial while it moved
+        except (RayActorError, KeyError) as exc:
+            # A bucket died (its death watch cleans up). Members taken out whose
+            # new bucket died are lost with it, as its own members are.
+            logger.warning("pool: moving %s from bucket %s to %s failed: %s", members, source, dest, exc)
+            for item in items or ():
+                if self.book.home(item["member"]) != dest:
+                    self._unplaced[item["member"]] = RuntimeError(
+                        f"member {item['member']} was lost moving from bucket {source} to {dest}: {exc}")
+            return False
+        finally:
+            if held_slots:
+                # Refused, or it failed half way: the destination lets the slots go
+                # (a member move_in reached is built, not let go).
+                with contextlib.suppress(RayActorError):
+                    await dst.cancel_moved.remote(members)
+            update = self.placement.end_move(source, dest)
+            await self._apply(update)
+        self._events += 1
+        if not housed:
+            return False
+        self.history.regrouped(source, dest, housed)
+        record = self.placement.buckets.get(dest)
+        logger.info("pool: regrouped %s from bucket %s to bucket %s (%d of %d slots held there now)", housed,
+                    source, dest, len(record.members) if record else 0, record.capacity if record else 0)
+        if self.placement.buckets.get(source) is not None and self.placement.buckets[source].members:
+            self._later_compact(source)
+        return True
+
+    async def moved_to(self, member: str, source: str, timeout_s: float = 60.0):
+        """``(bucket name, handle)`` where ``member`` trains now, once it moved out of bucket ``source``."""
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            if member in self._unplaced:
+                raise self._unplaced[member]
+            name = self.book.home(member)
+            if name is not None and name != source and name in self.handles:
+                return name, self.handles[name]
+            if name is None or asyncio.get_running_loop().time() > deadline:
+                raise RuntimeError(f"member {member} moved out of bucket {source}, and the pool holds it nowhere")
+            await asyncio.sleep(0.02)  # the move is still on its way (its new bucket is building it)
 
     async def bucket_failed(self, name: str) -> None:
         """A trainable saw bucket ``name`` die: forget it now (its death watch may be later)."""
@@ -808,6 +993,9 @@ class ChorusPool:
         self._events += 1
         self.handles.pop(name, None)
         self._stops.forget(name)
+        for member, source in list(self._draining.items()):
+            if source == name:
+                del self._draining[member]  # its unread results died there (its trial hears it)
         lost = self.book.bucket_lost(name)
         self.history.gone(name, died, lost)
         if self.placement is None or name not in self.placement.buckets:
@@ -884,8 +1072,14 @@ class ChorusPool:
     async def bucket_of(self, member: str):
         """``(bucket name, handle)`` of the bucket holding ``member`` (a member
         or a trial id), or ``None``."""
-        name = self.book.home(self.readers.member_of(member))
+        name = self._read_from(self.readers.member_of(member))
         return None if name is None else (name, self.handles.get(name))
+
+    def _read_from(self, member: str) -> str | None:
+        """The bucket ``member``'s trial reads next: the one it moved out of
+        while results it left there wait (regrouping), else its home."""
+        source = self._draining.get(member)
+        return source if source in self.handles else self.book.home(member)
 
     async def free_slots(self, structural_key: Hashable) -> int:
         """Free slots in open buckets whose sharing key (``chorus_tune.stack.sharing_key``) is ``structural_key``."""

@@ -27,6 +27,7 @@ from ray.tune.execution.placement_groups import PlacementGroupFactory
 from ..execution.liveness import current_actor_id
 from ..execution.options import BucketOptions, Join, member_seed
 from ..execution.pool import NEED_TASK, Reservation, call_pool, get_pool, pool_lost, task_id
+from ..execution.regrouping import Moved
 from ..execution.resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
 from ..execution.waits import Evicted, Stall, StalledWait
 from ..observe.actor_log import log_to_actor_stdout
@@ -89,7 +90,7 @@ class ChorusTrainable(Trainable):
     ``resources_per_bucket``, ``route``, ``run_ahead``, ``speculate``, ``max_iterations``,
     ``ahead_memory_mb``, ``gather_s``, ``result_timeout_s``,
     ``reap_interval_s``, ``idle_close_s``, ``max_buckets``, ``compact``,
-    ``compact_after_s``, ``max_bucket_size``, ``memory_fraction``,
+    ``compact_after_s``, ``regroup``, ``max_bucket_size``, ``memory_fraction``,
     ``memory_meter`` (``bucket_size="auto"``: see :class:`BucketOptions`).
 
     Every result carries the member's metrics (``train_loss``, ``val_loss``,
@@ -118,6 +119,7 @@ class ChorusTrainable(Trainable):
     max_buckets: int | None = BucketOptions.max_buckets
     compact: bool = BucketOptions.compact
     compact_after_s: float = BucketOptions.compact_after_s
+    regroup: bool = BucketOptions.regroup
     max_bucket_size: int | None = BucketOptions.max_bucket_size
     memory_fraction: float = BucketOptions.memory_fraction
     memory_meter: Any = None
@@ -255,6 +257,9 @@ class ChorusTrainable(Trainable):
             self._lost_bucket(exc)
         except Evicted:
             return self._rejoin()
+        except Moved:
+            self._follow_move()
+            return self.step()
         except GetTimeoutError as exc:
             raise TimeoutError(
                 f"trial {self.trial_id} waited {self.result_timeout_s}s (result_timeout_s) for member "
@@ -268,8 +273,13 @@ class ChorusTrainable(Trainable):
         if self._joined:
             try:
                 # The state of the iteration Tune read last, not of the last one fetched.
-                state = ray.get(self._bucket.save.remote(self._member, self._reads.read),
-                                timeout=self.result_timeout_s)
+                try:
+                    state = ray.get(self._bucket.save.remote(self._member, self._reads.read),
+                                    timeout=self.result_timeout_s)
+                except Moved:
+                    self._follow_move()
+                    state = ray.get(self._bucket.save.remote(self._member, self._reads.read),
+                                    timeout=self.result_timeout_s)
             except RayActorError as exc:
                 self._lost_bucket(exc)
             except GetTimeoutError as exc:
@@ -376,6 +386,18 @@ class ChorusTrainable(Trainable):
         self._pending_state = state
         self._reserve(self.config)
         return self.step()
+
+    def _follow_move(self) -> None:
+        """Our member moved to another bucket of its structure (regrouping)
+        and we read every result the old one held: read on in the new one."""
+        try:
+            self._bucket_name, self._bucket = ray.get(
+                get_pool(create=True).moved_to.remote(self._member, self._bucket_name),
+                timeout=self.result_timeout_s)
+        except RayActorError as exc:
+            raise pool_lost(exc, f"trial {self.trial_id} asked where member {self._member} moved") from exc
+        self._joined = True  # built there from its state: nothing to join with
+        self._announce()
 
     def _announce(self) -> None:
         # The actor's log is where the dashboard tells which trial it serves
