@@ -357,6 +357,13 @@ class Bucket:
             self._shared = SharedBatches(train, self.task.batch_size_for(config), self.task.data_seed)
         self.stack = MemberStack(template, self.capacity, self.device)
         self._batch_size = self.task.batch_size_for(config)
+        # Profiled now, while nothing trains: the profile copies the template,
+        # and a training step swaps batched tensors into it (functional_call
+        # under vmap), so a copy taken later, when a bucket actor's describe()
+        # runs beside an iteration, failed ("Cannot access storage of
+        # BatchedTensorImpl": seen in a clean CI run, test_cluster's stats).
+        # Where the model computes per sample does not change as widths grow.
+        self._profile = Profile.of(template, first_batch(self._train, 1)[0][0])
         by_identity = {id(t): n for n, t in (*template.named_parameters(), *template.named_buffers())}
         entries = template.state_dict(keep_vars=True)
         # None: the state_dict holds more than tensors of the stack (extra state):
@@ -422,9 +429,6 @@ class Bucket:
         self.routing.seconds = {}
 
     def _cost(self, shapes: dict) -> Cost:
-        if self._profile is None:
-            row = first_batch(self._train, 1)[0][0]
-            self._profile = Profile.of(self.stack.template, row)
         return self._profile.cost(shapes, self.stack.params)
 
     def padding_report(self) -> dict[int, dict[str, Any]]:

@@ -635,7 +635,10 @@ def test_one_fetch_brings_every_queued_result_and_a_save_holds_the_member_at_the
 def test_a_trial_that_leaves_holding_fetched_results_wastes_those_tune_never_read():
     async def scenario():
         bucket = make_bucket(1)
-        await seat(bucket, "a", Plan(budget=6, speculate=True))
+        # Iterations 1-6 known clear (the run's other buckets saw trials
+        # continued past each, docs/design.md D4): the member trains to 6.
+        bucket.book.stops.seen_elsewhere({}, {t: 4 for t in range(1, 7)})
+        await seat(bucket, "a", Plan(budget=6, speculate=True, clear_after=4))
         await until(lambda: bucket.book.get("a").produced == 6)
         assert len(await bucket.next_results("a")) == 6
         await bucket.leave("a", read=2)  # Tune stopped it after its 2nd result

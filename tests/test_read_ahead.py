@@ -69,7 +69,13 @@ def test_a_retired_answer_leaves_what_was_read_as_it_was():
 
 # ----- the bucket's side -----------------------------------------------------------------------------
 def book_with(plan: Plan, n: int = 1) -> MemberBook:
+    """``n`` members of ``plan``. A speculating plan's iterations are known
+    clear of Tune's decisions up to its budget, as if the run's other buckets
+    had seen ``clear_after`` trials continued past each (docs/design.md D4),
+    so its members train ahead to the budget and have results to fetch."""
     book = MemberBook(max_queue=64, gather_s=0.0)
+    if plan.speculate and plan.budget:
+        book.stops.seen_elsewhere({}, {t: plan.clear_after for t in range(1, plan.budget + 1)})
     for i in range(n):
         book.reserve(f"m{i}", plan)
         book.place(f"m{i}", slot=i, iteration=0)

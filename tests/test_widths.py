@@ -330,3 +330,22 @@ def test_a_bucket_that_cannot_place_a_mismatching_member_elsewhere_runs_every_me
         history, model = reference.train(task, config, iterations=2)
         assert [r[slot]["val_loss"] for r in results] == pytest.approx([h["val_loss"] for h in history], rel=RTOL)
         params_close(bucket.export_model(slot), model, RTOL)
+
+
+def test_the_route_report_never_copies_the_template_once_the_bucket_trains(monkeypatch):
+    # A bucket actor's describe() reads the route report beside a running
+    # iteration, whose functional_call has batched tensors in the template:
+    # a copy taken then failed ("Cannot access storage of BatchedTensorImpl").
+    from chorus_tune import widths
+
+    # Members of one width: nothing priced a padding when they joined.
+    bucket = ct.Bucket(_sigmoid_task(), capacity=2, route="vmap")
+    first = bucket.add(dict(h1=20, seed=1))
+    bucket.add(dict(h1=20, seed=2))
+    bucket.run_iteration()
+
+    def copied_again(cls, module, row):
+        raise AssertionError("the template was profiled again")
+
+    monkeypatch.setattr(widths.Profile, "of", classmethod(copied_again))
+    assert bucket.route_report()["padding"][first]["factor"] == 1
