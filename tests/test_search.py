@@ -113,22 +113,6 @@ def test_suggestions_are_drawn_lookahead_ahead_of_tune_in_their_order():
     assert len(s.unbound) == 3 and len(s.searcher.suggested) == 4
 
 
-def test_a_search_that_samples_the_space_itself_seats_the_whole_run_by_default():
-    from chorus_tune.tune.search.search import default_lookahead
-
-    assert default_lookahead(16, 2, num_samples=128, own_sampler=True) == 128
-    assert default_lookahead(16, 2, num_samples=20, own_sampler=True) == 48  # never less than the buckets hold
-    assert default_lookahead(16, 2, num_samples=10**6, own_sampler=True) == 1024  # seated in parts
-
-
-def test_a_search_with_an_inner_searcher_draws_only_the_buckets_worth_ahead():
-    from chorus_tune.tune.search.search import default_lookahead
-
-    # a model-based searcher is asked no further ahead of its results than that
-    assert default_lookahead(16, 2, num_samples=128, own_sampler=False) == 48
-    assert default_lookahead(16, 2, num_samples=None, own_sampler=True) == 48
-
-
 def test_drawing_ahead_stops_at_num_samples():
     s = _search(widths="A", num_samples=5, lookahead=2)
     out = [s.suggest(f"t{i}") for i in range(6)]

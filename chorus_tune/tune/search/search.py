@@ -45,31 +45,6 @@ _SPLIT_SAMPLE = 64
 CLEAR_AFTER = 4
 
 
-# The most suggestions a search that samples the space itself seats at once
-# (a sweep of many thousands of trials is seated in parts of this size).
-_SAMPLED_LOOKAHEAD_CAP = 1024
-
-
-def default_lookahead(bucket_size: int, buckets: int, num_samples: Optional[int], own_sampler: bool) -> int:
-    """How many seated members ``ChorusSearch`` keeps unbound by default.
-
-    With an inner searcher: every bucket the cluster holds at once, plus one
-    for refills, so a model-based searcher is asked no further ahead of the
-    results than that. Sampling the space itself (no inner searcher), nothing
-    adaptive is lost by drawing ahead, so the whole run is seated (up to
-    ``_SAMPLED_LOOKAHEAD_CAP``): a member counts as unbound until Tune binds
-    a trial to it, and Tune binds at the pace of its driver, a few trials at
-    once, so with the bounded look-ahead the buckets ran out of members to
-    refill with while members already trained waited for their trials
-    (issue 39: mean ``chorus/live`` 2.6 of 16 under ChorusASHA at 128 trials,
-    and in a simulation of that run 2.1 with a look-ahead of 48 against 8.3
-    with all 128 seated, ``benchmarks/regroup_sim.py``)."""
-    bounded = bucket_size * (buckets + 1)
-    if own_sampler and num_samples:
-        return max(bounded, min(num_samples, _SAMPLED_LOOKAHEAD_CAP))
-    return bounded
-
-
 def _default_concurrency() -> int:
     cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else (os.cpu_count() or 1)
     return max(CLEAR_AFTER, cpus)
@@ -174,10 +149,8 @@ class ChorusSearch(ConcurrencyLimiter):
             ``stop={"training_iteration": n}`` members train to ``n`` without
             waiting for their trials, except past the iterations where Tune
             has been seen stopping trials early (docs/design.md D4).
-        lookahead: seated members not yet bound to a trial (default: with a
-            searcher, enough to fill every bucket, plus one bucket more for
-            refills; sampling the space itself, the whole run: see
-            :func:`default_lookahead`). Lower it
+        lookahead: seated members not yet bound to a trial (default: enough
+            to fill every bucket, plus one bucket more for refills). Lower it
             to keep a model-based searcher more adaptive (it is asked that
             many suggestions ahead of the results).
         max_buckets / bucket_size: default to the trainable's.
@@ -369,7 +342,7 @@ class ChorusSearch(ConcurrencyLimiter):
         if self._lookahead_given is None and self._options is not None:
             per_bucket = bucket_resources(self._options.resources_per_bucket, cluster)
             buckets = self.max_buckets or bucket_budget(cluster, per_bucket)
-            self.lookahead = default_lookahead(self.bucket_size, buckets, self._budget, self._own_sampler)
+            self.lookahead = self.bucket_size * (buckets + 1)
 
     def _budget_spent(self) -> bool:
         return self._budget is not None and self._pulled >= self._budget
