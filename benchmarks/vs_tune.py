@@ -417,9 +417,22 @@ def scheduler_for(kind: str, scheduler: str, epochs: int, reduction_factor: floa
     return ChorusASHA(max_t=epochs, grace_period=1, reduction_factor=reduction_factor)
 
 
-def run_plain(task: ct.Task, sw: Sweep, args) -> Outcome:
+def plain_tune_config(sw: Sweep, args):
+    """The TuneConfig of plain Tune's sides (ways plain and floor). A random space:
+    Tune's default generator, seeded as (b)'s sampler is, so both sides draw the
+    same configs (the digest in the JSON checks it)."""
     from ray import tune
     from ray.tune.search import BasicVariantGenerator
+
+    search = None if sw.random_state is None else BasicVariantGenerator(random_state=sw.random_state)
+    return tune.TuneConfig(metric=METRIC, mode=MODE, reuse_actors=True, search_alg=search,
+                           num_samples=sw.num_samples,
+                           scheduler=scheduler_for("plain", args.scheduler, args.epochs, args.reduction_factor),
+                           time_budget_s=args.way_budget_s)
+
+
+def run_plain(task: ct.Task, sw: Sweep, args) -> Outcome:
+    from ray import tune
 
     device = args.device
     threads = 1
@@ -446,14 +459,7 @@ def run_plain(task: ct.Task, sw: Sweep, args) -> Outcome:
         # store (tune.with_parameters), as a careful Tune user ships a dataset.
         task = dataclasses.replace(task, data=task.data() if callable(task.data) else task.data)
     trainable = tune.with_resources(tune.with_parameters(train_one, task=task), resources)
-    # A random space: Tune's default generator, seeded as (b)'s sampler is, so both
-    # sides draw the same configs (the digest in the JSON checks it).
-    search = None if sw.random_state is None else BasicVariantGenerator(random_state=sw.random_state)
-    tune_config = tune.TuneConfig(metric=METRIC, mode=MODE, reuse_actors=True, search_alg=search,
-                                  num_samples=sw.num_samples,
-                                  scheduler=scheduler_for("plain", args.scheduler, epochs, args.reduction_factor),
-                                  time_budget_s=args.way_budget_s)
-    return fit_timed(args.way, trainable, tune_config, sw, args)
+    return fit_timed(args.way, trainable, plain_tune_config(sw, args), sw, args)
 
 
 def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
@@ -623,7 +629,6 @@ def run_floor(task: ct.Task, sw: Sweep, args) -> Outcome:
     (a), under the same search, scheduler, stop dict and resources. Its ms per
     result (``read_ms``) is what Tune itself takes to handle one."""
     from ray import tune
-    from ray.tune.search import BasicVariantGenerator
 
     epochs = args.epochs
 
@@ -632,12 +637,7 @@ def run_floor(task: ct.Task, sw: Sweep, args) -> Outcome:
             tune.report({METRIC: 0.0})
 
     trainable = tune.with_resources(report_only, plain_resources(args))
-    search = None if sw.random_state is None else BasicVariantGenerator(random_state=sw.random_state)
-    tune_config = tune.TuneConfig(metric=METRIC, mode=MODE, reuse_actors=True, search_alg=search,
-                                  num_samples=sw.num_samples,
-                                  scheduler=scheduler_for("plain", args.scheduler, epochs, args.reduction_factor),
-                                  time_budget_s=args.way_budget_s)
-    return fit_timed(args.way, trainable, tune_config, sw, args)
+    return fit_timed(args.way, trainable, plain_tune_config(sw, args), sw, args)
 
 
 RUNNERS: dict[str, Callable[..., Outcome]] = {"plain": run_plain, "chorus": run_chorus, "chorus-maxit": run_chorus,
