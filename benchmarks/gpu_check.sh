@@ -24,6 +24,9 @@
 #             stop dict, no max_iterations), FIFO 2 epochs, then ASHA / ChorusASHA max_t 4:
 #             vs_tune-cnn.json
 #   2. mlp    the same with 64 MLPs (tab-mlp2, 50k/10k): vs_tune-mlp.json
+#   2b. asha128  128 MLPs under ASHA / ChorusASHA: vs_tune-mlp-asha128.json
+#   2c. widths   issue 41's width grid (4 widths x 2 lrs x 4 wds, two-hidden-layer module), FIFO:
+#             vs_tune-widths.json
 #   3. share  3 widths x 16 lrs of the CNN, 1 epoch, chorus_tune with 1, 0.5, 0.25 GPU
 #             per bucket (1, 2, 4 buckets on the card): share_card.json
 #   4. step   fused step vs K eager steps, fp32 and bf16: fused_step.json;
@@ -38,7 +41,7 @@
 #
 # Settings (environment): PY (python3), OUT (benchmarks/results/gpu_check), BUDGET_S (450; smoke 1500),
 # FRACTIONS (plain Tune's card shares, 0.25,0.125,0.0625; smoke 0.25,0.125), REPEATS (3; smoke 1),
-# WARMUP (1), PARTS (cnn,mlp,share,step,compiled: the parts to run), CAP_CNN, CAP_MLP, CAP_SHARE,
+# WARMUP (1), SCHEDULERS (fifo,asha: those of parts cnn and mlp), PARTS (cnn,mlp,share,step,compiled: the parts to run), CAP_CNN, CAP_MLP, CAP_SHARE,
 # CAP_STEP, CAP_COMPILED (each part's cap, s), SMOKE=1: every path at toy sizes on whatever device
 # torch sees (a CPU here: SMOKE=1 PY=.venv/bin/python OUT=/tmp/gpu-smoke bash benchmarks/gpu_check.sh).
 set -uo pipefail
@@ -50,7 +53,8 @@ PY=${PY:-python3}
 OUT=${OUT:-benchmarks/results/gpu_check}
 SMOKE=${SMOKE:-0}
 WARMUP=${WARMUP:-1}
-PARTS=${PARTS:-cnn,mlp,share,step,compiled}
+PARTS=${PARTS:-cnn,mlp,asha128,widths,share,step,compiled}
+SCHEDULERS=${SCHEDULERS:-fifo,asha}  # parts cnn and mlp
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 exec > >(tee -a "$OUT/gpu_check.log") 2>&1
@@ -61,17 +65,17 @@ if [ "$SMOKE" = 1 ]; then
   SHARE="--widths 4,8 --lrs 2 --epochs 1 --batch-size 64 --n-train 256 --n-val 64"
   STEP="--models mlp64,cnn3 --ks 2 --steps 3 --repeats 1"; STEP_COMPILED="--models mlp64 --ks 2 --steps 3 --repeats 1"
   CAP_CNN=${CAP_CNN:-500} CAP_MLP=${CAP_MLP:-400} CAP_SHARE=${CAP_SHARE:-400} CAP_STEP=${CAP_STEP:-200}
-  CAP_COMPILED=${CAP_COMPILED:-400}
+  CAP_COMPILED=${CAP_COMPILED:-400} CAP_ASHA128=${CAP_ASHA128:-400} CAP_WIDTHS=${CAP_WIDTHS:-400}; TRIALS_ASHA=8
   FRACTIONS=${FRACTIONS:-0.25,0.125}; REPEATS=${REPEATS:-1}
   DEVICE=$($PY -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu')")
   BUDGET_S=${BUDGET_S:-1500}
 else
   SIZE=""; TRIALS=64; EPOCHS=2; ASHA_EPOCHS=4; BATCH=256; WAY_BUDGET=${WAY_BUDGET:-60}
   SHARE="--widths 8,16,32 --lrs 16 --epochs 1 --batch-size 256"
-  STEP="--models mlp256,cnn3 --ks 16,64 --steps 40 --repeats 2"
+  STEP="--models ${STEP_MODELS:-mlp256,cnn3} --ks 16,64 --steps 40 --repeats 2"
   STEP_COMPILED="--models mlp256,cnn3 --ks 64 --steps 40 --repeats 2"
   CAP_CNN=${CAP_CNN:-260} CAP_MLP=${CAP_MLP:-100} CAP_SHARE=${CAP_SHARE:-80} CAP_STEP=${CAP_STEP:-45}
-  CAP_COMPILED=${CAP_COMPILED:-60}
+  CAP_COMPILED=${CAP_COMPILED:-60} CAP_ASHA128=${CAP_ASHA128:-70} CAP_WIDTHS=${CAP_WIDTHS:-50}; TRIALS_ASHA=128
   FRACTIONS=${FRACTIONS:-0.25,0.125,0.0625}; REPEATS=${REPEATS:-3}
   DEVICE=cuda
   BUDGET_S=${BUDGET_S:-450}
@@ -128,11 +132,15 @@ ray_ok=1
 $PY -c "import ray, ray.tune; print('ray', ray.__version__)" || { ray_ok=0; echo "== env: no Ray (PYTHONPATH=/tmp/site? see the top of this script): only the fused step runs"; }
 
 VS="$PY benchmarks/vs_tune.py --device $DEVICE --trials $TRIALS --epochs $EPOCHS --asha-epochs $ASHA_EPOCHS
-    --batch-size $BATCH --scheduler fifo,asha --ways plain,chorus --repeats $REPEATS --warmup $WARMUP
+    --batch-size $BATCH --ways plain,chorus --repeats $REPEATS --warmup $WARMUP
     --gpu-fraction $FRACTIONS --way-budget-s $WAY_BUDGET --out $OUT $SIZE"
 if [ "$ray_ok" = 1 ]; then
-  part cnn "$CAP_CNN" $VS --workload cifar-cnn3 --name vs_tune-cnn
-  part mlp "$CAP_MLP" $VS --workload tab-mlp2 --name vs_tune-mlp
+  part cnn "$CAP_CNN" $VS --scheduler "$SCHEDULERS" --workload cifar-cnn3 --name vs_tune-cnn
+  part mlp "$CAP_MLP" $VS --scheduler "$SCHEDULERS" --workload tab-mlp2 --name vs_tune-mlp
+  # Issue 43: ASHA at the size users run (128 MLPs), and the 4-width sweep (issue 41's grid, 32 trials).
+  VS_ONE="$VS --trials $TRIALS_ASHA"
+  part asha128 "$CAP_ASHA128" $VS_ONE --scheduler asha --workload tab-mlp2 --name vs_tune-mlp-asha128
+  part widths "$CAP_WIDTHS" $VS_ONE --scheduler fifo --workload tab-widths --name vs_tune-widths
   part share "$CAP_SHARE" $PY benchmarks/share_card.py --device "$DEVICE" --workload cifar-cnn3 $SHARE \
       --repeats "$REPEATS" --warmup "$WARMUP" --way-budget-s "$WAY_BUDGET" --out "$OUT" --name share_card
 fi

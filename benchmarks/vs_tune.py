@@ -280,10 +280,11 @@ def make_sweep(workload: str, trials: int) -> Sweep:
 
 def configs_digest(configs: Sequence[Mapping], keys: Sequence[str]) -> str:
     """A short digest of the multiset of configs (their ``keys``, floats to 9 digits):
-    equal digests on two ways mean both trained the same sweep."""
+    equal digests on two ways mean both trained the same sweep. A trial that never
+    started (the run hit its time budget first) has no config: it counts as empty."""
     def cell(v: Any) -> Any:
         return float(f"{v:.9g}") if isinstance(v, float) else v
-    rows = sorted(json.dumps([cell(c.get(k)) for k in keys], default=str) for c in configs)
+    rows = sorted(json.dumps([cell((c or {}).get(k)) for k in keys], default=str) for c in configs)
     return hashlib.sha1("\n".join(rows).encode()).hexdigest()[:12]
 
 

@@ -124,6 +124,7 @@ def width_grid() -> dict:
 # grid_search axes): one pass over it is the sweep, whatever --trials says.
 GRIDS = {
     "synth-widths": width_grid,
+    "tab-widths": width_grid,
 }
 
 
@@ -265,6 +266,8 @@ SIZED = {
     # Issue 41's tutorial-shaped sweep (SPACES); size it with --n-train/--n-val on a CPU.
     "tutorial-cnn": (lambda: tutorial_net, cifar_gratings),
     "tab-mlp2": (mlp2, tabular),
+    # Issue 41's width sweep on the GPU machine (torch-only data; GRIDS below).
+    "tab-widths": (lambda: two_hidden_mlp, tabular),
 }
 WORKLOADS.update({name: (model, data()) for name, (model, data) in SIZED.items()})
 
