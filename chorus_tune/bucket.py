@@ -355,15 +355,16 @@ class Bucket:
         self._val = val.to(self.device) if isinstance(val, TensorSplit) else val
         if not isinstance(train, TensorSplit):
             self._shared = SharedBatches(train, self.task.batch_size_for(config), self.task.data_seed)
-        self.stack = MemberStack(template, self.capacity, self.device)
-        self._batch_size = self.task.batch_size_for(config)
         # Profiled now, while nothing trains: the profile copies the template,
         # and a training step swaps batched tensors into it (functional_call
         # under vmap), so a copy taken later, when a bucket actor's describe()
         # runs beside an iteration, failed ("Cannot access storage of
         # BatchedTensorImpl": seen in a clean CI run, test_cluster's stats).
         # Where the model computes per sample does not change as widths grow.
+        # Taken before self.stack is set: describe() reads the stack, then the profile.
         self._profile = Profile.of(template, first_batch(self._train, 1)[0][0])
+        self.stack = MemberStack(template, self.capacity, self.device)
+        self._batch_size = self.task.batch_size_for(config)
         by_identity = {id(t): n for n, t in (*template.named_parameters(), *template.named_buffers())}
         entries = template.state_dict(keep_vars=True)
         # None: the state_dict holds more than tensors of the stack (extra state):
@@ -436,7 +437,7 @@ class Bucket:
         parameter counts and estimated multiply-adds per sample (``None``: the
         model's forward could not be profiled), and ``factor``, padded over own
         (multiply-adds where known, else parameters). Empty before the first member."""
-        if self.stack is None:
+        if self.stack is None or self._profile is None:
             return {}
         padded = self._cost(self.stack.shapes)
         out = {}

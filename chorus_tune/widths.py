@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
@@ -206,33 +207,32 @@ class Profile:
     arithmetic). Positions do not depend on widths, so one profile prices a
     member at its own shapes and at the padded ones."""
 
-    def __init__(self, positions: dict[str, tuple[float, bool]] | None):
-        # {module path: (output positions per sample, whether it is an embedding lookup)}
-        self.positions = positions
+    def __init__(self, skeleton: nn.Module, row: torch.Tensor):
+        # The model copied to ``meta`` at once (a copy taken later may meet the
+        # batched tensors a running step swaps into the template), its forward
+        # run only when a price is first asked for: torch's meta kernels import
+        # sympy (0.47 CPU-s), which a bucket whose members all share one width
+        # never needs.
+        self._skeleton: nn.Module | None = skeleton
+        self._row = torch.empty(row.shape, dtype=row.dtype, device="meta")
+        self._positions: dict[str, tuple[float, bool]] | None = None
+        self._lock = threading.Lock()  # describe() may ask beside the training thread
 
     @classmethod
     def of(cls, module: nn.Module, row: torch.Tensor) -> "Profile":
-        """Profile ``module`` on a batch of two rows like ``row`` (``None``
-        positions where the forward cannot run on ``meta``)."""
-        positions: dict[str, tuple[float, bool]] = {}
-        hooks = []
-        skeleton = copy.deepcopy(module).to("meta")
-        for path, sub in skeleton.named_modules():
-            if isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)):
-                def record(m, args, out, path=path):
-                    lookup = isinstance(m, nn.Embedding)
-                    width = m.weight.shape[1] if lookup else m.weight.shape[0]
-                    positions[path] = (out.numel() / (2 * width), lookup)
-                hooks.append(sub.register_forward_hook(record))
-        try:
-            with torch.no_grad():
-                skeleton.eval()(torch.empty((2, *row.shape), dtype=row.dtype, device="meta"))
-        except Exception:  # noqa: BLE001 - data-dependent code: priced by its parameters alone
-            return cls(None)
-        finally:
-            for h in hooks:
-                h.remove()
-        return cls(positions)
+        """The profile of ``module`` on a batch of two rows like ``row``: the
+        module is copied now, and its forward runs when a price is first asked."""
+        return cls(copy.deepcopy(module).to("meta"), row)
+
+    @property
+    def positions(self) -> dict[str, tuple[float, bool]] | None:
+        """{module path: (output positions per sample, whether it is an embedding
+        lookup)}; ``None`` where the forward cannot run on ``meta``."""
+        with self._lock:
+            if self._skeleton is not None:
+                self._positions = _positions(self._skeleton, self._row)
+                self._skeleton = None
+            return self._positions
 
     def cost(self, shapes: dict[str, Shape], parameters: Iterable[str]) -> Cost:
         """The cost of a model with tensors of ``shapes`` (``parameters``: the
@@ -247,6 +247,27 @@ class Profile:
                 # A lookup reads one row of embedding_dim; a Linear or Conv multiplies its whole weight.
                 macs += where * (weight[1] if lookup else math.prod(weight))
         return Cost(params, macs)
+
+
+def _positions(skeleton: nn.Module, row: torch.Tensor) -> dict[str, tuple[float, bool]] | None:
+    positions: dict[str, tuple[float, bool]] = {}
+    hooks = []
+    for path, sub in skeleton.named_modules():
+        if isinstance(sub, (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Embedding)):
+            def record(m, args, out, path=path):
+                lookup = isinstance(m, nn.Embedding)
+                width = m.weight.shape[1] if lookup else m.weight.shape[0]
+                positions[path] = (out.numel() / (2 * width), lookup)
+            hooks.append(sub.register_forward_hook(record))
+    try:
+        with torch.no_grad():
+            skeleton.eval()(row.expand(2, *row.shape))
+    except Exception:  # noqa: BLE001 - data-dependent code: priced by its parameters alone
+        return None
+    finally:
+        for h in hooks:
+            h.remove()
+    return positions
 
 
 # ----- the sharing rule's price, where there is no data (chorus_tune/width_rule.py) --------------

@@ -256,7 +256,10 @@ def test_a_lost_full_bucket_s_trials_wait_for_the_survivor_s_gpu_and_finish(fake
     for result in results:
         assert result.metrics["training_iteration"] == FULL_ITERATIONS
         assert_on_reference(result, FULL_ITERATIONS)
-    # The lost node's bucket died, and its trials finished in buckets on the survivor.
+    # The lost node's bucket died, and the trials recovered from its loss finished in
+    # buckets on the survivor. (A trial that had read and saved all its member's results
+    # before the loss finishes without a recovery, its last row from the lost bucket:
+    # buckets run ahead, and a trial fetches every queued result in one call.)
     lost = {name for name, s in stats.items() if s["node_id"] == remover.removed}
     assert lost and all(stats[name].get("died") for name in lost), stats
     moved = {t for t, rows in remover.results.items() if any(row["chorus/bucket"] in lost for row in rows)}
@@ -264,6 +267,7 @@ def test_a_lost_full_bucket_s_trials_wait_for_the_survivor_s_gpu_and_finish(fake
     for trial_id, rows in remover.results.items():
         last = rows[-1]
         assert last["training_iteration"] == FULL_ITERATIONS, (trial_id, last)
-        assert stats[last["chorus/bucket"]]["node_id"] != remover.removed, (trial_id, last, stats)
+        if trial_id in remover.recovered:
+            assert stats[last["chorus/bucket"]]["node_id"] != remover.removed, (trial_id, last, stats)
     print("figures:", {name: {k: s.get(k) for k in ("capacity", "died", "closed", "iterations")}
                        for name, s in stats.items()})

@@ -130,11 +130,14 @@ def test_the_script_parses_and_the_readme_gives_its_device_commands():
 
 def test_the_script_runs_plain_at_three_card_shares_with_repeats_and_warm_ups_by_default():
     """Issue 22: plain Tune at 1/4, 1/8 and 1/16 of the card, 3 repeats after a warm-up, the
-    compiled route against compiled eager models too; a smoke run can pick its parts."""
+    compiled route against compiled eager models too; a smoke run can pick its parts.
+    Issue 43: a 128-trial ASHA part and a width-sweep part."""
     script = (BENCHMARKS / "gpu_check.sh").read_text()
     full = script.split("else", 1)[1]  # the settings after the smoke branch
     assert "FRACTIONS=${FRACTIONS:-0.25,0.125,0.0625}" in full and "REPEATS=${REPEATS:-3}" in full
-    assert "WARMUP=${WARMUP:-1}" in script and "PARTS=${PARTS:-cnn,mlp,share,step,compiled}" in script
+    assert "WARMUP=${WARMUP:-1}" in script and "PARTS=${PARTS:-cnn,mlp,asha128,widths,share,step,compiled}" in script
+    # Issue 43: ASHA at 128 trials and the width sweep, on data made on the card (no sklearn there).
+    assert "--trials $TRIALS_ASHA" in script and "TRIALS_ASHA=128" in full and "--workload tab-widths" in script
     assert "--gpu-fraction $FRACTIONS" in script and "--repeats $REPEATS --warmup $WARMUP" in script
     assert "--compiled-eager" in script and "--max-iterations" not in script
     share = (BENCHMARKS / "share_card.py").read_text()
