@@ -108,3 +108,25 @@ def test_a_compile_that_fails_falls_back_with_its_reason(monkeypatch):
     assert bucket.route_reason is (RouteReason.COMPILE_FAILED if bucket.route == "vmap" else RouteReason.FASTER)
     for slot, config in configs.items():
         assert_on_reference(bucket, slot, config, histories[slot])
+
+
+
+def test_on_the_compiled_route_a_retired_cnn_slot_keeps_its_batchnorm_statistics_bit_for_bit():
+    # Only the compiled route still runs a group of more than half the stack on the
+    # whole stack (the others gather their rows: Bucket._trains_gathered); its forward
+    # writes every row's BatchNorm statistics, and the rows left out are put back.
+    from models import cnn
+
+    cnn_task = ct.Task(cnn, digits(images=True), optimizer="adam", batch_size=32, iteration_steps=2, compile=True)
+    bucket = ct.Bucket(cnn_task, 3, route="compiled")
+    slots = [bucket.add(dict(lr=1e-3 * (i + 1), seed=i)) for i in range(3)]
+    bucket.run_iteration()
+    bucket.retire(slots[1])
+    frozen = [t[slots[1]].clone() for t in (*bucket.stack.state_tensors(), *bucket.optimizer.tensors())]
+    survivor = {n: b[slots[0]].clone() for n, b in bucket.stack.buffers.items()}
+    results = bucket.run_iteration()
+    assert set(results) == {slots[0], slots[2]} and {m["route"] for m in results.values()} == {"compiled"}
+    after = [t[slots[1]] for t in (*bucket.stack.state_tensors(), *bucket.optimizer.tensors())]
+    assert all(torch.equal(a, b) for a, b in zip(frozen, after))
+    # The survivors' statistics moved: the forward ran in training mode.
+    assert any(not torch.equal(b, bucket.stack.buffers[n][slots[0]]) for n, b in survivor.items())
