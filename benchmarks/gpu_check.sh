@@ -10,9 +10,11 @@
 #   device call 1, carry [".gpu-a"], timeout_s 60:
 #                  rm -rf /tmp/gpu-a && cp -r .gpu-a /tmp/gpu-a
 #   device call 2, at once (a machine left idle goes back, /tmp with it), carry [".gpu-b"], timeout_s 560:
-#                  bash .gpu-b/ray-wheels.sh unpack /tmp/gpu-a .gpu-b /tmp/site && export PYTHONPATH=/tmp/site:. && bash benchmarks/gpu_check.sh
+#                  bash .gpu-b/ray-wheels.sh unpack /tmp/gpu-a .gpu-b /tmp/site && export PYTHONPATH=/tmp/site:. && ARCHIVE=$OUT/gpu_check.tgz OUT=/tmp/gpu_check bash benchmarks/gpu_check.sh
 #
-# Then copy the files that came back from $OUT into benchmarks/reported/gpu/, and
+# The device tool returns at most 8 files from $OUT, so the run writes into /tmp/gpu_check and
+# packs it into $OUT/gpu_check.tgz after every part (ARCHIVE): a run cut short still returns what
+# finished. Unpack it into benchmarks/reported/gpu/, and
 # `python3 benchmarks/gpu_summary.py benchmarks/reported/gpu` prints the figures again.
 #
 # Parts, in order of priority; each writes its JSON as soon as it has a figure (and
@@ -41,7 +43,7 @@
 #
 # Settings (environment): PY (python3), OUT (benchmarks/results/gpu_check), BUDGET_S (450; smoke 1500),
 # FRACTIONS (plain Tune's card shares, 0.25,0.125,0.0625; smoke 0.25,0.125), REPEATS (3; smoke 1),
-# WARMUP (1), SCHEDULERS (fifo,asha: those of parts cnn and mlp), PARTS (cnn,mlp,share,step,compiled: the parts to run), CAP_CNN, CAP_MLP, CAP_SHARE,
+# ARCHIVE (a .tgz of OUT, rewritten after every part; none when unset), WARMUP (1), SCHEDULERS (fifo,asha: those of parts cnn and mlp), PARTS (cnn,mlp,share,step,compiled: the parts to run), CAP_CNN, CAP_MLP, CAP_SHARE,
 # CAP_STEP, CAP_COMPILED (each part's cap, s), SMOKE=1: every path at toy sizes on whatever device
 # torch sees (a CPU here: SMOKE=1 PY=.venv/bin/python OUT=/tmp/gpu-smoke bash benchmarks/gpu_check.sh).
 set -uo pipefail
@@ -102,6 +104,12 @@ part() {
     # device machine, make sure before the next part. Never on a shared machine.
     [ "$SMOKE" = 1 ] || $PY -c "import sys; from ray.scripts.scripts import main; sys.argv = ['ray', 'stop', '--force']; main()" >/dev/null 2>&1 || true
   fi
+  pack
+}
+
+# pack: OUT as one archive (ARCHIVE), after every part and at the end.
+pack() {
+  if [ -n "${ARCHIVE:-}" ]; then tar czf "$ARCHIVE.tmp" -C "$OUT" . && mv "$ARCHIVE.tmp" "$ARCHIVE"; fi
 }
 
 echo "== env (SMOKE=$SMOKE, device=$DEVICE, budget ${BUDGET_S} s, out $OUT)"
@@ -150,3 +158,4 @@ part compiled "$CAP_COMPILED" $PY benchmarks/fused_step.py --device "$DEVICE" $S
 
 echo "== summary ($(( $(date +%s) - start )) s)"
 $PY benchmarks/gpu_summary.py "$OUT" || true
+pack
