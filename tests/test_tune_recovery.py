@@ -191,9 +191,18 @@ def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead, reuse_
         _assert_same_member_state(final[t], final[donor[0]])
 
 
+# The gate of the leave-race test: while this file exists, every forward of a
+# _SlowMLP waits (in the bucket's process, on this machine), so the test holds
+# the bucket inside an iteration for as long as it needs, whatever the load.
+# (A fixed 0.03 s sleep per forward left the race to timing: under load the
+# leave was sometimes over before the reservation, the test failed before it
+# released its member, and the member held a budget a later test waited for.)
+LEAVE_RACE_GATE = os.path.join("/tmp", f"chorus-leave-race-gate-{os.getpid()}")
+GATE_BOUND_S = 60
+
+
 class _SlowMLP(torch.nn.Module):
-    """An MLP whose every forward takes 0.03 s: the bucket's iterations last about 0.3 s, far longer
-    than a reservation takes."""
+    """An MLP whose every forward takes 0.03 s, and waits while the test's gate file exists."""
 
     def __init__(self):
         super().__init__()
@@ -201,6 +210,9 @@ class _SlowMLP(torch.nn.Module):
 
     def forward(self, x):
         time.sleep(0.03)
+        deadline = time.monotonic() + GATE_BOUND_S
+        while os.path.exists(LEAVE_RACE_GATE) and time.monotonic() < deadline:
+            time.sleep(0.01)
         return self.net(x)
 
 
@@ -234,24 +246,37 @@ def test_a_trial_reserving_while_its_last_member_still_leaves_gets_the_member_it
     trainable = ChorusTrainable.for_task(task, bucket_size=1, run_ahead=2)
     trial, seed = "restarts-at-once", 11
     old, bucket = _reserve(trainable, trial, {"lr": 0.05}, seed)
-    ray.get(bucket.next_result.remote(old.member, Join(config={"lr": 0.05}, seed=seed, plan=old.plan)), timeout=60)
-    # The bucket now trains iteration 2 ahead (run_ahead), under its lock.
-    get_pool().trial_left.remote(trial, old.token)  # not waited for, as reset_config does
-    reserving = get_pool().reserve.remote(trial, trainable._task_id, trainable._task_blob, {"lr": 0.5},
-                                          trainable.bucket_options(), None, seed)
-    # The race itself: the reservation went in while the leave was still under
-    # way (its bucket holds it to the end of the ~0.3 s iteration). Were the
-    # leave over already, this test would check nothing.
-    assert ray.get(get_pool().__ray_call__.remote(_still_leaving, old.member), timeout=60), \
-        "the old member's leave was over before the new reservation: the race never happened"
-    new = ray.get(reserving, timeout=60)
-    bucket = new.handle or ray.get(get_pool().await_placement.remote(new.member), timeout=60)[1]
-    join = Join(config={"lr": 0.5}, seed=seed, plan=new.plan)
-    read = [ray.get(bucket.next_result.remote(new.member, join), timeout=60),
-            ray.get(bucket.next_result.remote(new.member), timeout=60)]
-    assert [r["iteration"] for r in read] == [1, 2]
-    assert [r["val_loss"] for r in read] == pytest.approx(_reference_losses(task, {"lr": 0.5}, seed, 2), rel=1e-5)
-    ray.get(get_pool().trial_left.remote(trial, new.token), timeout=60)
+    reserving = new = None
+    try:
+        ray.get(bucket.next_result.remote(old.member, Join(config={"lr": 0.05}, seed=seed, plan=old.plan)),
+                timeout=60)
+        # The bucket now trains iteration 2 ahead (run_ahead), under its lock; the
+        # gate holds it there until the reservation is in.
+        open(LEAVE_RACE_GATE, "w").close()
+        get_pool().trial_left.remote(trial, old.token)  # not waited for, as reset_config does
+        reserving = get_pool().reserve.remote(trial, trainable._task_id, trainable._task_blob, {"lr": 0.5},
+                                              trainable.bucket_options(), None, seed)
+        # The race itself: the reservation went in while the leave was still
+        # under way. Were the leave over already, this test would check nothing.
+        assert ray.get(get_pool().__ray_call__.remote(_still_leaving, old.member), timeout=60), \
+            "the old member's leave was over before the new reservation: the race never happened"
+        os.remove(LEAVE_RACE_GATE)
+        new = ray.get(reserving, timeout=60)
+        bucket = new.handle or ray.get(get_pool().await_placement.remote(new.member), timeout=60)[1]
+        join = Join(config={"lr": 0.5}, seed=seed, plan=new.plan)
+        read = [ray.get(bucket.next_result.remote(new.member, join), timeout=60),
+                ray.get(bucket.next_result.remote(new.member), timeout=60)]
+        assert [r["iteration"] for r in read] == [1, 2]
+        assert [r["val_loss"] for r in read] == pytest.approx(_reference_losses(task, {"lr": 0.5}, seed, 2),
+                                                              rel=1e-5)
+    finally:
+        # Whatever failed above, the trial leaves: its member must not hold a bucket
+        # (and the pool's budget) that the module's later sweeps wait for.
+        if os.path.exists(LEAVE_RACE_GATE):
+            os.remove(LEAVE_RACE_GATE)
+        if new is None and reserving is not None:
+            new = ray.get(reserving, timeout=60)
+        ray.get(get_pool().trial_left.remote(trial, (new or old).token), timeout=60)
 
 
 def test_killed_trial_actor_is_reaped_and_the_others_finish(tmp_path):
