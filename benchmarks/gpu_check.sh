@@ -43,8 +43,9 @@
 #
 # Settings (environment): PY (python3), OUT (benchmarks/results/gpu_check), BUDGET_S (450; smoke 1500),
 # FRACTIONS (plain Tune's card shares, 0.25,0.125,0.0625; smoke 0.25,0.125), REPEATS (3; smoke 1),
-# ARCHIVE (a .tgz of OUT, rewritten after every part; none when unset), WARMUP (1), SCHEDULERS (fifo,asha: those of parts cnn and mlp), PARTS (cnn,mlp,share,step,compiled: the parts to run), CAP_CNN, CAP_MLP, CAP_SHARE,
-# CAP_STEP, CAP_COMPILED (each part's cap, s), SMOKE=1: every path at toy sizes on whatever device
+# ARCHIVE (a .tgz of OUT, rewritten after every part; none when unset), WARMUP (1), SCHEDULERS (fifo,asha: those of parts cnn and mlp), PARTS (cnn,mlp,asha128,widths,share,step,compiled: the parts to run),
+# STEP_MODELS (mlp256,cnn3: part step's models, in order), CAP_CNN, CAP_MLP, CAP_SHARE,
+# CAP_STEP, CAP_COMPILED, CAP_ASHA128, CAP_WIDTHS (each part's cap, s), SMOKE=1: every path at toy sizes on whatever device
 # torch sees (a CPU here: SMOKE=1 PY=.venv/bin/python OUT=/tmp/gpu-smoke bash benchmarks/gpu_check.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -437,7 +437,7 @@ class Bucket:
         parameter counts and estimated multiply-adds per sample (``None``: the
         model's forward could not be profiled), and ``factor``, padded over own
         (multiply-adds where known, else parameters). Empty before the first member."""
-        if self.stack is None or self._profile is None:
+        if self.stack is None:
             return {}
         padded = self._cost(self.stack.shapes)
         out = {}

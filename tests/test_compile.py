@@ -13,7 +13,7 @@ from chorus_tune import reference
 from chorus_tune.compiling import CompiledCalls
 from chorus_tune.route import RouteReason
 
-from models import digits, mlp, params_close
+from models import cnn, digits, mlp, params_close
 
 RTOL = 1e-5  # test_fidelity.py's MLP bound: the compiled step is the same float32 arithmetic
 DIGITS = digits()
@@ -115,8 +115,6 @@ def test_on_the_compiled_route_a_retired_cnn_slot_keeps_its_batchnorm_statistics
     # Only the compiled route still runs a group of more than half the stack on the
     # whole stack (the others gather their rows: Bucket._trains_gathered); its forward
     # writes every row's BatchNorm statistics, and the rows left out are put back.
-    from models import cnn
-
     cnn_task = ct.Task(cnn, digits(images=True), optimizer="adam", batch_size=32, iteration_steps=2, compile=True)
     bucket = ct.Bucket(cnn_task, 3, route="compiled")
     slots = [bucket.add(dict(lr=1e-3 * (i + 1), seed=i)) for i in range(3)]
