@@ -192,12 +192,16 @@ def test_pbt_exploit_clones_the_donor_member_exactly(tmp_path, run_ahead, reuse_
 
 
 # The gate of the leave-race test: while this file exists, every forward of a
-# _SlowMLP waits (in the bucket's process, on this machine), so the test holds
-# the bucket inside an iteration for as long as it needs, whatever the load.
-# (A fixed 0.03 s sleep per forward left the race to timing: under load the
-# leave was sometimes over before the reservation, the test failed before it
-# released its member, and the member held a budget a later test waited for.)
+# _SlowMLP waits (in the bucket's process, on this machine), and says so in
+# LEAVE_RACE_HELD, so the test holds the bucket inside an iteration, and under
+# its lock, for as long as it needs, whatever the load. (A fixed 0.03 s sleep per
+# forward left the race to timing: under load the leave was sometimes over
+# before the reservation, the test failed before it released its member, and the
+# member held a budget a later test waited for. Gating without waiting to see
+# the bucket held left it to timing too: the bucket may have computed all it
+# could ahead, and sat idle with its lock free, before the gate stood.)
 LEAVE_RACE_GATE = os.path.join("/tmp", f"chorus-leave-race-gate-{os.getpid()}")
+LEAVE_RACE_HELD = LEAVE_RACE_GATE + ".held"
 GATE_BOUND_S = 60
 
 
@@ -211,9 +215,27 @@ class _SlowMLP(torch.nn.Module):
     def forward(self, x):
         time.sleep(0.03)
         deadline = time.monotonic() + GATE_BOUND_S
+        if os.path.exists(LEAVE_RACE_GATE):
+            open(LEAVE_RACE_HELD, "w").close()
         while os.path.exists(LEAVE_RACE_GATE) and time.monotonic() < deadline:
             time.sleep(0.01)
         return self.net(x)
+
+
+def _hold_the_bucket_in_an_iteration(bucket, member: str) -> list:
+    """Raise the gate and return once ``member``'s bucket waits at it, inside an
+    iteration (the only place a _SlowMLP's forward runs is under the bucket's
+    lock). A bucket that has computed all it may ahead is idle: asking for the
+    next result lets it compute one more. Returns the requests sent, for the
+    caller to collect."""
+    open(LEAVE_RACE_GATE, "w").close()
+    asked, deadline = [], time.monotonic() + GATE_BOUND_S / 2
+    while not os.path.exists(LEAVE_RACE_HELD):
+        assert time.monotonic() < deadline, "the bucket never entered an iteration while the gate stood"
+        if not asked or ray.wait(asked[-1:], timeout=0)[0]:
+            asked.append(bucket.next_result.remote(member))
+        time.sleep(0.05)
+    return asked
 
 
 def _slow_mlp(config):
@@ -230,9 +252,22 @@ def _reserve(trainable, trial: str, config: dict, seed: int):
     return reply, handle
 
 
-def _still_leaving(pool, member: str) -> bool:
-    """For ``__ray_call__`` on the pool: whether a leave of ``member`` is under way."""
-    return pool.leaving.is_leaving(member)
+def _reserving_while_leaving(pool, trial_id: str) -> tuple[bool, bool]:
+    """For ``__ray_call__`` on the pool: whether a leave of ``trial_id``'s member
+    (named by the trial id) is under way, and whether its new reservation has
+    come in (and so waits for that leave: it sets the trial's client, which the
+    leave had dropped, just before it waits)."""
+    return pool.leaving.is_leaving(trial_id), trial_id in pool.clients
+
+
+def _await_on_pool(check, *args, what: str, bound_s: float = GATE_BOUND_S / 2):
+    """Poll ``check(pool, *args)`` until it holds. Calls to an async actor need
+    not start in the order they were sent: one sent after another may run first."""
+    deadline = time.monotonic() + bound_s
+    while not (value := ray.get(get_pool().__ray_call__.remote(check, *args), timeout=60)):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+    return value
 
 
 def test_a_trial_reserving_while_its_last_member_still_leaves_gets_the_member_its_join_builds():
@@ -247,19 +282,21 @@ def test_a_trial_reserving_while_its_last_member_still_leaves_gets_the_member_it
     trial, seed = "restarts-at-once", 11
     old, bucket = _reserve(trainable, trial, {"lr": 0.05}, seed)
     reserving = new = None
+    asked = []
     try:
         ray.get(bucket.next_result.remote(old.member, Join(config={"lr": 0.05}, seed=seed, plan=old.plan)),
                 timeout=60)
-        # The bucket now trains iteration 2 ahead (run_ahead), under its lock; the
-        # gate holds it there until the reservation is in.
-        open(LEAVE_RACE_GATE, "w").close()
+        # The gate holds the bucket inside an iteration, under its lock, until the reservation is in.
+        asked = _hold_the_bucket_in_an_iteration(bucket, old.member)
         get_pool().trial_left.remote(trial, old.token)  # not waited for, as reset_config does
+        _await_on_pool(lambda pool, t: _reserving_while_leaving(pool, t)[0], trial,
+                       what="the old member's leave never began")
         reserving = get_pool().reserve.remote(trial, trainable._task_id, trainable._task_blob, {"lr": 0.5},
                                               trainable.bucket_options(), None, seed)
-        # The race itself: the reservation went in while the leave was still
-        # under way. Were the leave over already, this test would check nothing.
-        assert ray.get(get_pool().__ray_call__.remote(_still_leaving, old.member), timeout=60), \
-            "the old member's leave was over before the new reservation: the race never happened"
+        # The race itself: the reservation came in while the leave was under way.
+        _await_on_pool(lambda pool, t: all(_reserving_while_leaving(pool, t)), trial,
+                       what="the reservation never came in while the old member's leave was under way: "
+                            "the race never happened")
         os.remove(LEAVE_RACE_GATE)
         new = ray.get(reserving, timeout=60)
         bucket = new.handle or ray.get(get_pool().await_placement.remote(new.member), timeout=60)[1]
@@ -272,11 +309,13 @@ def test_a_trial_reserving_while_its_last_member_still_leaves_gets_the_member_it
     finally:
         # Whatever failed above, the trial leaves: its member must not hold a bucket
         # (and the pool's budget) that the module's later sweeps wait for.
-        if os.path.exists(LEAVE_RACE_GATE):
-            os.remove(LEAVE_RACE_GATE)
+        for path in (LEAVE_RACE_GATE, LEAVE_RACE_HELD):
+            if os.path.exists(path):
+                os.remove(path)
         if new is None and reserving is not None:
             new = ray.get(reserving, timeout=60)
         ray.get(get_pool().trial_left.remote(trial, (new or old).token), timeout=60)
+        ray.wait(asked, num_returns=len(asked), timeout=60)  # the old member's requests: answered or failed
 
 
 def test_killed_trial_actor_is_reaped_and_the_others_finish(tmp_path):
