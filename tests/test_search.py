@@ -113,6 +113,32 @@ def test_suggestions_are_drawn_lookahead_ahead_of_tune_in_their_order():
     assert len(s.unbound) == 3 and len(s.searcher.suggested) == 4
 
 
+def test_the_own_sampler_looks_ahead_over_the_whole_run_up_to_a_bound():
+    from chorus_tune.tune.search.search import SAMPLER_LOOKAHEAD_FACTOR, default_lookahead
+
+    # Sampling param_space learns nothing from results: the whole run is seated ahead.
+    assert default_lookahead(48, 128, learns_from_results=False) == 128
+    assert default_lookahead(48, 10_000, learns_from_results=False) == SAMPLER_LOOKAHEAD_FACTOR * 48
+    assert default_lookahead(48, 20, learns_from_results=False) == 48  # never below a fill
+    assert default_lookahead(48, None, learns_from_results=False) == 48  # no num_samples known
+
+
+def test_a_searcher_that_learns_from_results_is_asked_only_a_fill_ahead():
+    from chorus_tune.tune.search.search import default_lookahead
+
+    assert default_lookahead(48, 128, learns_from_results=True) == 48
+
+
+def test_each_call_seats_at_most_a_fill_so_the_first_seat_stays_small():
+    s = ChorusSearch(random_state=0, max_concurrent_trials=100)
+    s.set_search_properties(None, None, {"x": tune.uniform(0, 1)}, num_samples=100)
+    s.lookahead, s._seat_step = 100, 10  # as _size_for_cluster sets them: 100 samples, a fill of 10
+    s.suggest("t0")  # draws a fill, binds one, tops up a fill more
+    assert len(s.unbound) == 19
+    s.suggest("t1")
+    assert len(s.unbound) == 38  # a fill before its bind, a fill after
+
+
 def test_drawing_ahead_stops_at_num_samples():
     s = _search(widths="A", num_samples=5, lookahead=2)
     out = [s.suggest(f"t{i}") for i in range(6)]

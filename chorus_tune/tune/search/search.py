@@ -50,6 +50,28 @@ def _default_concurrency() -> int:
     return max(CLEAR_AFTER, cpus)
 
 
+# How far ahead ChorusSearch's own sampler draws, in look-aheads of a search
+# with a model-based searcher (at most): it learns nothing from results, so
+# drawing ahead costs no adaptivity, and a run's members seated at once keep its
+# buckets full. Measured (128 trials, ChorusASHA, buckets of 16, 2 at a time, 2
+# cores): seated 48 ahead, the buckets ran 5.3-5.8 live members per fused
+# iteration, as pruned members waited unread for trials that Tune had not yet
+# started, holding the look-ahead; seated all at once, 7.0-8.6. The bound keeps
+# a run of thousands of samples from seating them all in the pool at once.
+SAMPLER_LOOKAHEAD_FACTOR = 8
+
+
+def default_lookahead(fill: int, budget: Optional[int], learns_from_results: bool) -> int:
+    """Seated members not yet bound to a trial, by default: ``fill`` (enough to
+    fill every bucket, and one bucket more for refills) where the searcher
+    learns from results, so that it is asked only that far ahead of them; else
+    the run's whole ``budget`` (``num_samples``), up to
+    :data:`SAMPLER_LOOKAHEAD_FACTOR` times ``fill``."""
+    if learns_from_results or budget is None:
+        return fill
+    return max(fill, min(budget, SAMPLER_LOOKAHEAD_FACTOR * fill))
+
+
 def grid_size(space: Dict) -> int:
     """How many points one pass over ``space``'s ``grid_search`` axes has (1 without any)."""
     return sum(1 for _ in generate_variants({"config": copy.deepcopy(space)},
@@ -149,10 +171,14 @@ class ChorusSearch(ConcurrencyLimiter):
             ``stop={"training_iteration": n}`` members train to ``n`` without
             waiting for their trials, except past the iterations where Tune
             has been seen stopping trials early (docs/design.md D4).
-        lookahead: seated members not yet bound to a trial (default: enough
-            to fill every bucket, plus one bucket more for refills). Lower it
-            to keep a model-based searcher more adaptive (it is asked that
-            many suggestions ahead of the results).
+        lookahead: seated members not yet bound to a trial. Default, with a
+            ``searcher``: enough to fill every bucket, plus one bucket more for
+            refills; lower it to keep a model-based searcher more adaptive (it
+            is asked that many suggestions ahead of the results). Default
+            without one (sampling ``param_space``, which learns nothing from
+            results): the whole run, up to 8 times that (:func:`default_lookahead`),
+            so pruned members that wait for their trials to read them do not
+            hold back the members that would fill their slots.
         max_buckets / bucket_size: default to the trainable's.
         random_state: seed for sampling ``param_space`` (no inner searcher).
 
@@ -202,6 +228,7 @@ class ChorusSearch(ConcurrencyLimiter):
         self.max_iterations = max_iterations
         self._lookahead_given = lookahead
         self.lookahead = max(1, lookahead) if lookahead is not None else 2 * self.bucket_size
+        self._seat_step = self.lookahead  # seated per call at most (_top_up)
         self._prefix = f"chorus_{uuid.uuid4().hex[:6]}_"  # unique among searches sharing a pool
         # Member seeds follow the draw order, not the random prefix: with a
         # random_state the same sweep gets the same seeds, run after run.
@@ -342,19 +369,26 @@ class ChorusSearch(ConcurrencyLimiter):
         if self._lookahead_given is None and self._options is not None:
             per_bucket = bucket_resources(self._options.resources_per_bucket, cluster)
             buckets = self.max_buckets or bucket_budget(cluster, per_bucket)
-            self.lookahead = self.bucket_size * (buckets + 1)
+            self._seat_step = self.bucket_size * (buckets + 1)  # every bucket full, and one more for refills
+            self.lookahead = default_lookahead(self._seat_step, self._budget,
+                                               learns_from_results=not self._own_sampler)
 
     def _budget_spent(self) -> bool:
         return self._budget is not None and self._pulled >= self._budget
 
     def _top_up(self) -> None:
-        """Keep ``lookahead`` suggestions drawn and seated while the budget lasts."""
-        self._seat(self._draw())  # in one go: seated together, they train together
+        """Keep ``lookahead`` suggestions drawn and seated while the budget lasts,
+        at most a bucket more than the buckets hold per call: the first seat,
+        which the run's first result waits for, stays as small as it was before
+        the sampler's look-ahead grew to the whole run; Tune's next few calls
+        seat the rest."""
+        # In one go per call: seated together, they train together.
+        self._seat(self._draw(self._seat_step))
 
-    def _draw(self) -> List[Tuple[str, Dict]]:
+    def _draw(self, at_most: Optional[int] = None) -> List[Tuple[str, Dict]]:
         drawn = []
         while (not self._exhausted and not self._budget_spent()
-               and len(self._unbound) < self.lookahead):
+               and len(self._unbound) < self.lookahead and (at_most is None or len(drawn) < at_most)):
             pulled = self._pull()
             if pulled is None:
                 break
@@ -511,7 +545,7 @@ class ChorusSearch(ConcurrencyLimiter):
         # Trials Tune created but that have not finished are re-seated with
         # their seeds (a checkpoint one resumes from replaces the seated state).
         running = [(item_id, self._configs[item_id]) for item_id in self._inner_id.values()]
-        self._seat(running + list(self._unbound) + (self._draw() if draw else []))
+        self._seat(running + list(self._unbound) + (self._draw(self._seat_step) if draw else []))
         pool = get_pool(create=True)
         for trial_id, item_id in self._inner_id.items():
             if ray.get(pool.bind.remote(trial_id, [item_id])) is None:
