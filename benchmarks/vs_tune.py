@@ -634,8 +634,8 @@ def _config_score(config: dict) -> float:
 
 
 def run_floor(task: ct.Task, sw: Sweep, args) -> Outcome:
-    """Tune's own floor: a no-op function trainable reporting as many results as
-    (a), under the same search, scheduler, stop dict and resources. Its ms per
+    """Tune's own floor: a no-op function trainable under (a)'s search, scheduler,
+    stop dict and resources, its metric decided by its config alone. Its ms per
     result (``read_ms``) is what Tune itself takes to handle one."""
     from ray import tune
 

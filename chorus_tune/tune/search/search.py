@@ -383,12 +383,13 @@ class ChorusSearch(ConcurrencyLimiter):
         the sampler's look-ahead grew to the whole run; Tune's next few calls
         seat the rest."""
         # In one go per call: seated together, they train together.
-        self._seat(self._draw(self._seat_step))
+        self._seat(self._draw())
 
-    def _draw(self, at_most: Optional[int] = None) -> List[Tuple[str, Dict]]:
+    def _draw(self) -> List[Tuple[str, Dict]]:
+        """Up to ``_seat_step`` suggestions more, while fewer than ``lookahead`` are unbound."""
         drawn = []
         while (not self._exhausted and not self._budget_spent()
-               and len(self._unbound) < self.lookahead and (at_most is None or len(drawn) < at_most)):
+               and len(self._unbound) < self.lookahead and len(drawn) < self._seat_step):
             pulled = self._pull()
             if pulled is None:
                 break
@@ -545,7 +546,7 @@ class ChorusSearch(ConcurrencyLimiter):
         # Trials Tune created but that have not finished are re-seated with
         # their seeds (a checkpoint one resumes from replaces the seated state).
         running = [(item_id, self._configs[item_id]) for item_id in self._inner_id.values()]
-        self._seat(running + list(self._unbound) + (self._draw(self._seat_step) if draw else []))
+        self._seat(running + list(self._unbound) + (self._draw() if draw else []))
         pool = get_pool(create=True)
         for trial_id, item_id in self._inner_id.items():
             if ray.get(pool.bind.remote(trial_id, [item_id])) is None:
