@@ -60,7 +60,7 @@ bench-step: setup
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/fused_step.py --json benchmarks/results/fused_step.json
 
-# The README's plain-Tune comparison, issue 18's rows in one invocation (32 width-64 MLPs on the
+# docs/benchmarks.md's plain-Tune comparison, issue 18's rows in one invocation (32 width-64 MLPs on the
 # synthetic set, the Tune way on both sides: a stop dict, no max_iterations; plain Tune, chorus_tune,
 # the fused core; a warm-up per way, then 3 repeats interleaved, in rotated order, medians). The
 # cheap ASHA row goes first: the warm-ups run on it. Then issue 19's mixed sweep (widths x dropout x
@@ -82,7 +82,7 @@ bench-startup: setup
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/trial_startup.py --json benchmarks/results/trial_startup.json
 
-# The README's picture of Ray's dashboard (docs/dashboard-actors.png): the browser test's
+# The guide's picture of Ray's dashboard (docs/dashboard-actors.png): the browser test's
 # screenshot of the Actors page with a live bucket. Needs Chromium (apt-get install chromium).
 .PHONY: screenshot
 screenshot: setup

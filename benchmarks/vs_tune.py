@@ -788,7 +788,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """The table the README takes: one line per row, medians, (a) at its best share."""
+    """The table docs/benchmarks.md takes: one line per row, medians, (a) at its best share."""
     def s(v: float | None) -> str:
         return "-" if v is None else f"{v:.1f} s"
 

@@ -2,7 +2,7 @@
 
 Timings are never asserted (shared machines are noisy): only which runs happen
 in which order, what each way is asked for, how the report is summarised, and
-that every way ran every trial and the report holds the fields the README
+that every way ran every trial and the report holds the fields docs/benchmarks.md
 quotes. Only the end-to-end test starts Ray (``ray`` marker: `make test-core`
 leaves it out).
 """
@@ -159,7 +159,7 @@ def test_synth_mixed_draws_the_same_configs_as_tunes_default_generator():
     grid = vs_tune.make_sweep("synth-mlp64", 32)
     assert grid.random_state is None and grid.num_samples == 1 and len(grid.configs) == 32
     assert len({c["lr"] for c in grid.configs}) == 8  # 8 learning rates x 4 weight decays
-    # The GPU check's 64 trials: 16 learning rates x 4 weight decays (the README says so).
+    # The GPU check's 64 trials: 16 learning rates x 4 weight decays (docs/benchmarks.md says so).
     assert len({c["lr"] for c in vs_tune.make_sweep("tab-mlp2", 64).configs}) == 16
 
 

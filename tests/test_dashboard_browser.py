@@ -6,7 +6,7 @@ it; headless Chromium logs in with the token that ``ray get-auth-token``
 prints and opens the Actors page. The bucket's row must be
 there and claim nothing its live state contradicts; the bucket's log, read
 through the dashboard's log API, must say what the results say. The
-screenshot is the README's (``make screenshot`` writes it).
+screenshot is the guide's (docs/guide/watching.md) (``make screenshot`` writes it).
 
 Skipped, saying why, where no Chromium binary is found.
 """
@@ -190,5 +190,5 @@ def test_the_screenshot_is_a_png_of_the_page_the_browser_showed(seen):
         assert image.format == "PNG"
         assert image.size == SCREEN
     target = os.environ.get("CHORUS_SCREENSHOT")
-    if target:  # `make screenshot`: the README's picture
+    if target:  # `make screenshot`: the guide's picture
         shutil.copyfile(seen["screenshot"], target)

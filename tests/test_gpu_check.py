@@ -4,7 +4,7 @@ The whole script runs on a CPU at toy sizes with
 ``SMOKE=1 PY=.venv/bin/python OUT=/tmp/gpu-smoke bash benchmarks/gpu_check.sh``
 (about 10 minutes on 2 cores: too long for the suite). Here: the workloads'
 data and models, plain Tune's resource request, the fused-step variants and the
-summary, the script's syntax, and that the README gives the script's own device
+summary, the script's syntax, and that docs/development.md gives the script's own device
 commands. No timing is asserted.
 """
 from __future__ import annotations
@@ -117,15 +117,15 @@ def test_gpu_summary_reads_a_vs_tune_and_a_share_card_report(tmp_path):
     assert "GPU/bucket   0.5:   10.0 s  1-per-card/this 2.00x" in done.stdout, done.stdout
 
 
-def test_the_script_parses_and_the_readme_gives_its_device_commands():
+def test_the_script_parses_and_the_development_guide_gives_its_device_commands():
     script = (BENCHMARKS / "gpu_check.sh").read_text()
     assert subprocess.run(["bash", "-n", str(BENCHMARKS / "gpu_check.sh")]).returncode == 0
     call2 = ("bash .gpu-b/ray-wheels.sh unpack /tmp/gpu-a .gpu-b /tmp/site && export PYTHONPATH=/tmp/site:. "
              "&& ARCHIVE=$OUT/gpu_check.tgz OUT=/tmp/gpu_check bash benchmarks/gpu_check.sh")
     call1 = "rm -rf /tmp/gpu-a && cp -r .gpu-a /tmp/gpu-a"
-    readme = (ROOT / "README.md").read_text()
+    guide = (ROOT / "docs" / "development.md").read_text()
     for command in (call1, call2):
-        assert command in script and command in readme
+        assert command in script and command in guide
 
 
 def test_the_script_runs_plain_at_three_card_shares_with_repeats_and_warm_ups_by_default():

@@ -437,7 +437,7 @@ def test_under_stock_asha_waste_is_rare_and_always_within_the_bound(staggered):
     wasteful = [r for r in results if r.book.wasted > 0.1 * r.trained]
     assert len(wasteful) <= 0.1 * len(results)
     assert sum(r.book.wasted for r in results) <= 0.1 * sum(r.trained for r in results)
-    for r in results:  # README's bound: a trial stopped at t wastes at most cap - t
+    for r in results:  # The guide's bound (how-a-sweep-runs.md): a trial stopped at t wastes at most cap - t
         assert r.book.wasted <= r.stopped_early * (10 - 1)
 
 

@@ -110,7 +110,7 @@ def test_stock_asha_stops_on_the_fused_metrics_and_its_waste_is_bounded(tmp_path
 
     (bucket,) = {r[rk.BUCKET] for r in rows}
     assert 1 in bucket_stats()[bucket]["decision_points"]
-    # The bound (README, "How it runs"): a member trains past a Tune decision
+    # The bound (docs/guide/how-a-sweep-runs.md): a member trains past a Tune decision
     # point only before the bucket has seen a trial stopped there, so each
     # trial stopped early wastes at most max_t - 1 iterations.
     stopped = sum(r.metrics["training_iteration"] < max_t for r in results)

@@ -1,7 +1,7 @@
 """The ``chorus/*`` fields of every ChorusTrainable result, and what they mean.
 
 One place for the names: the bucket writes them, the scheduler reads
-``DECISION``, and the README's table is this list.
+``DECISION``, and docs/guide/results-and-checkpoints.md's table is this list.
 """
 from __future__ import annotations
 
