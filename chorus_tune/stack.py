@@ -86,28 +86,33 @@ def structural_key(task, config: dict) -> StructuralKey:
     The model is built on the ``meta`` device: no memory, no initialisation
     cost. Raises what the model factory raises.
     """
+    return module_key(task, config, _meta_model(task, config))
+
+
+def _meta_model(task, config: dict) -> nn.Module:
     try:
         with torch.device("meta"):
-            module = task.model(config)
+            return task.model(config)
     except Exception:
         # Some factories cannot run on meta (they read data or call .item());
         # a real build gives the same shapes, or the factory's real error.
-        module = task.build_model(config, seed=0)
-    return module_key(task, config, module)
+        return task.build_model(config, seed=0)
 
 
-def sharing_key(task, config: dict, groups) -> StructuralKey:
+def sharing_key(task, config: dict, groups, prices=None) -> StructuralKey:
     """Who may share a bucket, widths padding (docs/design.md D9): the config's
     structural key with its widths left out (``widths.padding_family``) and its
     width group in ``groups`` (a ``width_rule.WidthGroups``, which remembers
-    the widths it was shown, in order; priced by parameters) in their place.
-    Members of equal sharing keys share padded buckets: what the pool groups
-    trials by, and what ``space_split`` counts."""
+    the widths it was shown, in order) in their place, priced by ``prices``
+    (a ``widths.PaddingPrices``: multiply-adds per sample) or, without,
+    by parameters. Members of equal sharing keys share padded buckets: what
+    the pool groups trials by, and what ``space_split`` counts."""
     from .widths import parameter_cost
 
     key = structural_key(task, config)
     family = padding_family(key)
-    group = groups.assign(family, shapes_of(key), parameter_cost(key), key.batch_size)
+    cost = parameter_cost(key) if prices is None else prices.cost(family, key, lambda: _meta_model(task, config))
+    group = groups.assign(family, shapes_of(key), cost, key.batch_size)
     return family._replace(width_group=group)
 
 

@@ -233,6 +233,7 @@ class Task:
     # the modules the factory has returned (one returned twice is a cache).
     _warned_keys: set = field(default_factory=set, init=False, repr=False, compare=False)
     _built: Any = field(default=None, init=False, repr=False, compare=False)
+    _row: Any = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.model, nn.Module) or not callable(self.model):
@@ -257,6 +258,7 @@ class Task:
         state = dict(self.__dict__)
         state["_loaded"] = None
         state["_built"] = None  # a WeakSet does not pickle; each copy keeps its own
+        state["_row"] = None
         return state
 
     @property
@@ -288,6 +290,24 @@ class Task:
             check_splits(*loaded, self.loss)
             self._loaded = loaded
         return self._loaded
+
+    def input_row(self) -> torch.Tensor:
+        """The first training input row (a copy, on the CPU): what a padded
+        stack's multiply-adds are priced with (``widths.Profile``). Where the
+        data is not loaded here, it is loaded for this and not kept: the pool
+        and the driver ask only to price padding, and hold no data otherwise."""
+        if self._row is None:
+            if self._loaded is not None:
+                train = self._loaded[0]
+            else:
+                data = self.data() if callable(self.data) else self.data
+                if not isinstance(data, (tuple, list)) or len(data) != 2:
+                    raise ValueError("Task.data must be (train, val) or a callable returning it")
+                train = _as_split(data[0], "train")
+            row = train.tensors[0][0] if isinstance(train, TensorSplit) else torch.as_tensor(train[0][0])
+            # A copy: a view would keep the whole split's storage alive.
+            self._row = row.detach().to("cpu").clone()
+        return self._row
 
     def steps_per_iteration(self, config: dict) -> int:
         if self.iteration_steps is not None:

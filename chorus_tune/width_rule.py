@@ -15,9 +15,10 @@ newcomer can raise every member's price).
   the padded cost) is at most ``launch_bound_work`` multiply-adds, the factor
   is ``launch_bound_factor`` (16).
 
-The cost is what the caller prices: a bucket prices multiply-adds per sample
-(``widths.Profile``, from a forward on ``meta`` with an input row of its
-data); the pool, which has no data, parameters. Both numbers above are
+The cost is what the caller prices: multiply-adds per sample, from a forward
+on ``meta`` with an input row of the data (``widths.Profile``: a bucket with
+its own data, the pool and the driver through ``widths.PaddingPrices``), else
+parameters. Both numbers above are
 stated, not measured; the rule is one class, so a measured cost model can
 replace it.
 
@@ -104,8 +105,12 @@ NO_LIMIT = WidthRule(factor=math.inf, launch_bound_factor=math.inf)
 @dataclass
 class _Group:
     shapes: list[dict[str, Shape]] = field(default_factory=list)
-    own: list[float] = field(default_factory=list)
+    own: list[float | None] = field(default_factory=list)  # None: not priced yet
     widest: dict[str, Shape] = field(default_factory=dict)
+
+    def priced(self, cost: Callable[[Shapes], float]) -> list[float]:
+        self.own = [cost(s) if c is None else c for s, c in zip(self.shapes, self.own)]
+        return self.own
 
 
 class WidthGroups:
@@ -120,18 +125,25 @@ class WidthGroups:
 
     def assign(self, structure: Hashable, shapes: Shapes, cost: Callable[[Shapes], float], batch: int) -> int:
         """The group of a member of ``structure`` (a padded family's key) with
-        tensors of ``shapes``, priced by ``cost(shapes)``; the same widths
-        always get the same group."""
+        tensors of ``shapes``, priced by ``cost(shapes)`` (every call for one
+        structure must price alike; nothing is priced until a second set of
+        widths comes); the same widths always get the same group."""
         groups = self._groups.setdefault(structure, [])
         own_shapes = {n: tuple(s) for n, s in shapes.items()}
         for i, group in enumerate(groups):
             if own_shapes in group.shapes:
                 return i
+        if not groups:
+            # Priced only once other widths of its structure come: a price may
+            # cost a data load (the pool's multiply-adds need an input row),
+            # which a sweep of one width never needs.
+            groups.append(_Group([own_shapes], [None], dict(own_shapes)))
+            return 0
         own = cost(own_shapes)
         reason = ""
         for i, group in enumerate(groups):
             wide = widest([group.widest, own_shapes])
-            verdict = self.rule.judge([*group.own, own], cost(wide), self.device_type, batch)
+            verdict = self.rule.judge([*group.priced(cost), own], cost(wide), self.device_type, batch)
             if verdict.shares:
                 group.shapes.append(own_shapes)
                 group.own.append(own)

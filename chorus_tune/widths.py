@@ -270,13 +270,72 @@ def _positions(skeleton: nn.Module, row: torch.Tensor) -> dict[str, tuple[float,
     return positions
 
 
-# ----- the sharing rule's price, where there is no data (chorus_tune/width_rule.py) --------------
+# ----- the sharing rule's price, where there is no bucket (chorus_tune/width_rule.py) ------------
 def parameter_cost(key) -> Callable[[dict[str, Shape]], float]:
-    """A price of ``key``'s structure at any shapes: its parameter count (what
-    the pool, which has no input row to profile with, prices padding by)."""
+    """A price of ``key``'s structure at any shapes: its parameter count (where
+    no input row can be had to profile with)."""
     names = [n for n, _, _ in key.parameters]
 
     def cost(shapes: dict[str, Shape]) -> float:
         return float(sum(math.prod(shapes[n]) for n in names))
 
     return cost
+
+
+class PaddingPrices:
+    """How the pool and the driver, which hold no bucket, price a padded
+    family's members: by multiply-adds per sample, as a bucket prices them (a
+    :class:`Profile` of the family's model on ``meta`` with one input row of
+    the task's data), else by parameters.
+
+    Why not parameters alone: where the swept layers are a small part of the
+    work, parameters overprice padding. The PyTorch tutorial's CNN (``l1``,
+    ``l2`` from 4 to 256) pads from (4, 4) to (256, 256) at 38x its
+    parameters but 1.28x its multiply-adds: priced by parameters, 64 of its
+    trials fell into 12 structures; by multiply-adds, into its 4 batch sizes.
+
+    ``row_of`` gives the input row (``Task.input_row``, which may load the
+    data once); it is asked at most once, and only when some family first
+    shows a second set of widths (``WidthGroups`` prices nothing before). A
+    family is priced one way throughout: by parameters where the row cannot
+    be had or its model's forward cannot run on ``meta``."""
+
+    def __init__(self, row_of: Callable[[], torch.Tensor]):
+        self._row_of = row_of
+        self._row: torch.Tensor | None = None
+        self._asked = False
+        self._profiles: dict = {}  # family -> its Profile, or None: priced by parameters
+
+    def cost(self, family, key, build: Callable[[], nn.Module]) -> Callable[[dict[str, Shape]], float]:
+        """The price of ``key``'s members at any shapes (``family``: its padded
+        family; ``build``: its model, on ``meta``, built only if a price is asked)."""
+        names = [n for n, _, _ in key.parameters]
+        by_parameters = parameter_cost(key)
+
+        def cost(shapes: dict[str, Shape]) -> float:
+            profile = self._profile(family, build)
+            return by_parameters(shapes) if profile is None else profile.cost(shapes, names).macs
+
+        return cost
+
+    def _profile(self, family, build: Callable[[], nn.Module]) -> Profile | None:
+        if family not in self._profiles:
+            profile, row = None, self._input_row()
+            if row is not None:
+                try:
+                    profile = Profile.of(build(), row)
+                    if profile.positions is None:
+                        profile = None
+                except Exception:  # noqa: BLE001 - a price only: the member's own build reports its errors
+                    profile = None
+            self._profiles[family] = profile
+        return self._profiles[family]
+
+    def _input_row(self) -> torch.Tensor | None:
+        if not self._asked:
+            self._asked = True
+            try:
+                self._row = self._row_of()
+            except Exception:  # noqa: BLE001 - bad data fails the members' buckets, with its own error
+                self._row = None
+        return self._row

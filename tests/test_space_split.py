@@ -52,9 +52,21 @@ def test_tune_s_private_keys_are_ignored_and_a_config_that_cannot_build_is_count
 
 
 def test_widths_that_pad_within_the_rule_do_not_split_and_widths_beyond_it_are_said():
-    # Parameters 74 * l1 + l1 + 10: 32 -> 2410, 128 -> 9610 (3.99x), 256 -> 19210 (8x 32's).
+    # Priced as the pool prices, by multiply-adds per sample (74 * l1): 128 costs 4x 32, 256 8x.
     within = split_of(TASK, [{"lr": 0.1, "l1": l1} for l1 in (32, 64, 128)])
     assert (within.structures, within.splitting) == (1, ())
     apart = split_of(TASK, [{"lr": 0.1, "l1": l1} for l1 in (32, 64, 128, 256)])
     assert (apart.structures, apart.sizes, apart.splitting) == (2, (3, 1), (("l1", 4),))
     assert "their widths would cost more padded together than the width rule allows" in apart.message()
+
+
+def test_the_head_widths_of_a_cnn_are_priced_by_their_work_and_do_not_split_it():
+    """The PyTorch tutorial's case: the swept layers are a small part of the
+    work, so padding them costs little though it multiplies their parameters."""
+    def cnn_head(config: dict) -> nn.Module:
+        return nn.Sequential(nn.Conv2d(1, 64, 3), nn.ReLU(), nn.Conv2d(64, 16, 3), nn.ReLU(), nn.Flatten(),
+                             nn.Linear(16 * 4 * 4, int(config["l1"])), nn.ReLU(), nn.Linear(int(config["l1"]), 10))
+
+    # From 4 to 256 head units: 7x the parameters (which would split), 1.4x the multiply-adds.
+    split = split_of(ct.Task(cnn_head, digits(images=True)), [{"l1": l1} for l1 in (4, 64, 256)])
+    assert (split.structures, split.splitting) == (1, ())

@@ -68,3 +68,19 @@ def test_the_refusal_comes_before_training_not_from_inside_evaluation():
     task = _task(_split(16), _split(0))
     with pytest.raises(ValueError, match="val split is empty"):
         reference.train(task, {}, seed=0, iterations=1)
+
+
+def test_the_input_row_is_a_copy_of_the_first_training_row_and_the_data_is_not_kept():
+    calls = []
+
+    def data():
+        calls.append(1)
+        x = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+        return (x, torch.zeros(4, dtype=torch.long)), (x, torch.zeros(4, dtype=torch.long))
+
+    task = Task(lambda c: nn.Linear(3, 2), data)
+    row = task.input_row()
+    assert torch.equal(row, torch.tensor([0.0, 1.0, 2.0]))
+    assert row.untyped_storage().nbytes() == 3 * 4  # its own storage, not a view of the split
+    assert task.input_row() is row and calls == [1]
+    assert task._loaded is None  # loaded to read one row, not kept

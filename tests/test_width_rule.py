@@ -161,3 +161,56 @@ def test_the_sharing_key_groups_widths_within_the_rule_and_the_split_beyond_it_i
     assert describe_split(narrow, far) == ("their widths would cost more padded together than the width rule "
                                            "allows (chorus_tune/width_rule.py)")
     assert describe_split(narrow, _key(_mlp, {"h": 256})).startswith("they differ only in widths")
+
+
+# ----- what the pool and the driver price padding with (widths.PaddingPrices) ----------------------
+def _conv_head(c):
+    """Convolutions do most of the work; the swept widths are the head's."""
+    return nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(16 * 12 * 12, c["l1"]), nn.ReLU(), nn.Linear(c["l1"], 10))
+
+
+def _images():
+    x = torch.zeros(8, 3, 16, 16)
+    y = torch.zeros(8, dtype=torch.long)
+    return (x, y), (x, y)
+
+
+def test_prices_by_multiply_adds_let_a_cnn_s_head_widths_share_where_parameters_split_them():
+    from chorus_tune.stack import sharing_key
+    from chorus_tune.widths import PaddingPrices
+
+    task = ct.Task(_conv_head, _images)
+    # The head from 4 to 64 units: 16x its parameters, 1.2x its multiply-adds per sample.
+    by_parameters = WidthGroups()
+    assert sharing_key(task, {"l1": 4}, by_parameters) != sharing_key(task, {"l1": 64}, by_parameters)
+    by_work, prices = WidthGroups(), PaddingPrices(task.input_row)
+    assert sharing_key(task, {"l1": 4}, by_work, prices) == sharing_key(task, {"l1": 64}, by_work, prices)
+
+
+def test_the_input_row_is_asked_for_once_and_only_when_a_second_width_comes():
+    from chorus_tune.stack import sharing_key
+    from chorus_tune.widths import PaddingPrices
+
+    task = ct.Task(_conv_head, _images)
+    asked = []
+    prices = PaddingPrices(lambda: asked.append(1) or task.input_row())
+    groups = WidthGroups()
+    for _ in range(3):
+        sharing_key(task, {"l1": 8}, groups, prices)
+    assert asked == []  # a sweep of one width never loads data to price it
+    for l1 in (16, 32, 4):
+        sharing_key(task, {"l1": l1}, groups, prices)
+    assert asked == [1]
+
+
+def test_where_no_input_row_can_be_had_widths_are_priced_by_parameters():
+    from chorus_tune.stack import sharing_key
+    from chorus_tune.widths import PaddingPrices
+
+    def broken_data():
+        raise OSError("no such file")
+
+    task = ct.Task(_conv_head, broken_data)
+    groups, prices = WidthGroups(), PaddingPrices(task.input_row)
+    assert sharing_key(task, {"l1": 4}, groups, prices) != sharing_key(task, {"l1": 64}, groups, prices)

@@ -200,6 +200,7 @@ class ChorusPool:
         self._unplaced: dict[str, BaseException] = {}
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
         self._width_groups: dict[str, Any] = {}  # device type -> the width_rule.WidthGroups trials are grouped in
+        self._prices: dict[str, Any] = {}  # task id -> its widths.PaddingPrices (an input row, once widths differ)
         # ChorusSearch without task= (see ChorusSearch._send_scout): its scout
         # trials, and their members held back for their cohort.
         self.scouts = Scouts(lambda delay_s, callback: asyncio.get_running_loop().call_later(delay_s, callback))
@@ -244,12 +245,17 @@ class ChorusPool:
         task = self.tasks[task_id_]
         from chorus_tune.stack import sharing_key
         from chorus_tune.width_rule import WidthGroups
+        from chorus_tune.widths import PaddingPrices
 
         # Widths pad: trials whose widths the width rule lets pad together share buckets
-        # (docs/design.md D9), grouped in the order they come. Raises the factory's own
-        # error for a bad config.
+        # (docs/design.md D9), grouped in the order they come, priced by multiply-adds as
+        # a bucket prices them (the task's data is loaded here once, for one input row,
+        # when a structure's widths first differ). Raises the factory's own error for a
+        # bad config.
         device = width_device(self._bucket_resources(options))
-        skey = sharing_key(task, config, self._width_groups.setdefault(device, WidthGroups(device_type=device)))
+        prices = self._prices.setdefault(task_id_, PaddingPrices(task.input_row))
+        skey = sharing_key(task, config, self._width_groups.setdefault(device, WidthGroups(device_type=device)),
+                           prices)
         key = GroupKey(task_id_, options, self._model_name(task, config), skey)
         if key not in self.key_info:
             _log_split(key, split_from(key, self.key_info))

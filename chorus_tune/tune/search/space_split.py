@@ -24,6 +24,7 @@ from typing import Any, Sequence
 
 from chorus_tune.stack import describe_split, sharing_key
 from chorus_tune.width_rule import WidthGroups
+from chorus_tune.widths import PaddingPrices
 
 # Values of one key tried against the base config: enough to see that a key splits.
 _VALUES_TRIED = 8
@@ -66,23 +67,26 @@ class SpaceSplit:
 
 def split_of(task: Any, configs: Sequence[dict]) -> SpaceSplit:
     """How ``configs`` (a sample of the run's, Tune's ``__`` keys allowed)
-    split into structures for ``task``."""
-    groups = WidthGroups()
+    split into structures for ``task``, widths priced as the pool prices them
+    (multiply-adds, with one input row of the task's data: loaded here only
+    if the sample's widths differ)."""
+    groups, prices = WidthGroups(), PaddingPrices(task.input_row)
     keys: list[Any] = []
     built: list[dict] = []
     for config in configs:
         try:
-            keys.append(sharing_key(task, config, groups))
+            keys.append(sharing_key(task, config, groups, prices))
         except Exception:  # noqa: BLE001 - a config that cannot build fails its own trial, with its own error
             continue
         built.append(config)
     sizes = tuple(sorted(Counter(keys).values(), reverse=True))
-    splitting, why = _splitting_keys(task, built, keys)
+    splitting, why = _splitting_keys(task, built, keys, prices)
     return SpaceSplit(trials=len(configs), structures=len(sizes), sizes=sizes, splitting=splitting, why=why,
                       unbuildable=len(configs) - len(built))
 
 
-def _splitting_keys(task: Any, configs: list[dict], keys: list[Any]) -> tuple[tuple[tuple[str, int], ...], str]:
+def _splitting_keys(task: Any, configs: list[dict], keys: list[Any],
+                    prices: PaddingPrices) -> tuple[tuple[tuple[str, int], ...], str]:
     if len(set(keys)) <= 1:
         return (), ""
     base, base_key = configs[0], keys[0]
@@ -93,7 +97,7 @@ def _splitting_keys(task: Any, configs: list[dict], keys: list[Any]) -> tuple[tu
             continue
         for value in values[:_VALUES_TRIED]:
             try:
-                if _apart(task, base, {**base, name: value}):
+                if _apart(task, base, {**base, name: value}, prices):
                     splitting.append((str(name), len(values)))
                     break
             except Exception:  # noqa: BLE001 - a combination no trial asked for may not build
@@ -102,10 +106,10 @@ def _splitting_keys(task: Any, configs: list[dict], keys: list[Any]) -> tuple[tu
     return tuple(splitting), describe_split(base_key, other)
 
 
-def _apart(task: Any, base: dict, other: dict) -> bool:
+def _apart(task: Any, base: dict, other: dict, prices: PaddingPrices) -> bool:
     """Whether ``other`` cannot share a bucket with ``base``, the two alone."""
     groups = WidthGroups()
-    return sharing_key(task, base, groups) != sharing_key(task, other, groups)
+    return sharing_key(task, base, groups, prices) != sharing_key(task, other, groups, prices)
 
 
 def _distinct(values: list[Any]) -> list[Any]:
