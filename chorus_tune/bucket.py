@@ -13,14 +13,15 @@ from torch import nn
 from . import losses
 from .configuration import deterministic_dropout
 from .data import BatchOrder, SharedBatches, eval_batches, first_batch
+from .member_spec import MemberSpec
 from .member_state import check_member_state, check_state_fits
 from .memory import describe_memory, is_out_of_memory, release_memory
-from .optim import OptimizerSnapshot, StackedOptimizer, hyperparameters, scheduled_lr
+from .optim import OptimizerSnapshot, StackedOptimizer, scheduled_lr
 from .padding import padding_disagreement
 from .precision import autocast
 from .route import PROBE_TOLERANCE, ROUTES, ProbeResult, RouteChoice, RouteReason, decide
 from .rows import RowCopies
-from .seeds import as_seed
+from .seeds import chosen_seed
 from .stack import MemberStack, StructuralKey, describe_split, mean_loss, module_key, module_tensors
 from .task import Task, TensorSplit
 from .task_metrics import MetricError, compute_metric
@@ -285,9 +286,7 @@ class Bucket:
             raise TypeError(f"config must be a dict; got {type(config).__name__} "
                             "(a saved member goes in with Bucket.restore(state))")
         config = dict(config)
-        if seed is None:
-            seed = as_seed(config["seed"]) if "seed" in config else secrets.randbelow(2**31)
-        return self._take(config, as_seed(seed, "seed"), None)
+        return self._take(config, chosen_seed(config, seed, otherwise=lambda: secrets.randbelow(2**31)), None)
 
     def restore(self, state: dict[str, Any], config: dict | None = None) -> int:
         """Take a member saved by :meth:`member_state` (from any bucket of
@@ -308,12 +307,10 @@ class Bucket:
         free = self.free_slots
         if not free:
             raise ValueError(f"bucket is full ({self.capacity} members)")
-        family = self.task.optimizer_for(config)
-        hp = hyperparameters(family, config)
-        label_smoothing = losses.label_smoothing_from_config(self.task.loss, config)
+        spec = MemberSpec.read(self.task, config, seed)
         module = self.task.build_model(config, seed)  # the factory's own error propagates
         if state is not None:
-            check_state_fits(state, family, module)
+            check_state_fits(state, spec.family, module)
             module.load_state_dict(state["model"])
         key = module_key(self.task, config, module)  # the model is built already: no second build
         if self.key is not None and padding_family(key) != self.key:
@@ -334,16 +331,16 @@ class Bucket:
         slot = free[0]
         order = None
         if isinstance(self._train, TensorSplit):
-            order = BatchOrder(len(self._train), self.task.batch_size_for(config), seed)
+            order = BatchOrder(len(self._train), spec.batch_size, seed)
             if state is not None and state.get("data") is not None:
                 order.load_state_dict(state["data"])
         self.stack.put(slot, module.to(self.device))
-        self.optimizer.set_member(slot, hp, None if state is None else state["optimizer"])
+        self.optimizer.set_member(slot, spec.hp, None if state is None else state["optimizer"])
         self.members[slot] = Member(
-            config=config, seed=seed, family=family, hp=hp,
+            config=config, seed=seed, family=spec.family, hp=spec.hp,
             iteration=0 if state is None else int(state["iteration"]),
             step=0 if state is None else int(state["step"]),
-            order=order, label_smoothing=label_smoothing,
+            order=order, label_smoothing=spec.label_smoothing,
         )
         self.routing.member_joined()
         return slot

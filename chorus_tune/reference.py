@@ -19,20 +19,20 @@ from torch import nn
 
 from . import losses
 from .data import BatchOrder, SharedBatches, eval_batches
-from .optim import build_torch_optimizer, hyperparameters
+from .member_spec import MemberSpec
+from .optim import build_torch_optimizer
 from .precision import autocast
 from .schedules import scheduled_lr
-from .seeds import as_seed, config_seed
+from .seeds import chosen_seed
 from .task import Task, TensorSplit
 from .task_metrics import as_metric_outputs, compute_metric
 
 
 def resolve_seed(config: dict, seed: int | None) -> int:
-    if seed is not None:
-        return as_seed(seed, "seed")
-    from_config = config_seed(config)  # a ValueError naming the 'seed' key if it is not an integer
-    if from_config is not None:
-        return from_config
+    return chosen_seed(config, seed, otherwise=_no_seed)
+
+
+def _no_seed() -> int:
     raise ValueError("reference.train needs a seed: pass seed= or put 'seed' in the config")
 
 
@@ -50,16 +50,14 @@ class ReferenceRun:
 
     def __init__(self, task: Task, config: dict, seed: int | None = None, device: str | torch.device = "cpu"):
         self.task, self.device = task, torch.device(device)
-        self.seed = resolve_seed(config, seed)
-        family = task.optimizer_for(config)
-        self.hp = hyperparameters(family, config)
-        self.label_smoothing = losses.label_smoothing_from_config(task.loss, config)
+        spec = MemberSpec.read(task, config, resolve_seed(config, seed))
+        self.seed, self.hp, self.label_smoothing = spec.seed, spec.hp, spec.label_smoothing
         self.model = task.build_model(config, self.seed)
         task.check_model(self.model)  # the checks a bucket makes of its first member
         self.model = self.model.to(self.device)
-        self.optimizer = build_torch_optimizer(family, self.model.parameters(), self.hp)
+        self.optimizer = build_torch_optimizer(spec.family, self.model.parameters(), self.hp)
         train_split, val_split = task.load_data()
-        batch = task.batch_size_for(config)
+        batch = spec.batch_size
         self.steps = task.steps_per_iteration(config)
         if isinstance(train_split, TensorSplit):
             self.x, self.y = train_split.to(self.device).tensors

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
+from .config_keys import is_tune_key
 from .losses import IGNORE_INDEX, LossFn, resolve_loss
 from .optim import FAMILIES, OPTIMIZERS  # OPTIMIZERS (the families' names) is imported from here too
 from .precision import autocast, check_precision
@@ -351,7 +352,7 @@ class Task:
         for key in config:
             if key in factory_reads or key in core or key in self._warned_keys:
                 continue
-            if isinstance(key, str) and key.startswith("__"):  # Tune's own (__trial_index__, ...)
+            if is_tune_key(key):  # Tune's own (__trial_index__, ...)
                 continue
             self._warned_keys.add(key)
             close = difflib.get_close_matches(str(key), sorted(core), n=3, cutoff=0.5)

@@ -48,3 +48,29 @@ def test_bucket_add_names_the_seed_key():
     bucket = ct.Bucket(mlp_task(), capacity=2, route="eager")
     with pytest.raises(ValueError, match="config key 'seed' must be an integer"):
         bucket.add({"lr": 0.1, "seed": "abc"})
+
+
+# ----- one seed rule for every reader (seeds.chosen_seed) --------------------------------------------
+def test_a_given_seed_comes_first_then_the_config_s_then_the_reader_s_own():
+    from chorus_tune.seeds import chosen_seed
+
+    assert chosen_seed({"seed": 5}, given=9, otherwise=lambda: 1) == 9
+    assert chosen_seed({"seed": 5}, otherwise=lambda: 1) == 5
+    assert chosen_seed({"seed": None}, otherwise=lambda: 1) == 1  # None in the config is no seed
+    assert chosen_seed({}, otherwise=lambda: 1) == 1
+    with pytest.raises(ValueError, match="a seed is needed"):
+        chosen_seed({})
+
+
+def test_the_bucket_the_reference_and_the_tune_layer_read_a_seed_alike():
+    from chorus_tune.tune.execution.options import derived_seed, member_seed
+
+    bucket = ct.Bucket(mlp_task(), capacity=2, route="eager")
+    for config in ({"lr": 0.1, "seed": 3.0}, {"lr": 0.1, "seed": "3"}):
+        slot = bucket.add(config)
+        assert bucket.members[slot].seed == 3 == reference.ReferenceRun(mlp_task(), config).seed
+        assert member_seed(config, "trial_1") == 3
+        bucket.retire(slot)
+    assert member_seed({"seed": None}, "trial_1") == derived_seed("trial_1")
+    slot = bucket.add({"lr": 0.1, "seed": None})  # no seed: a fresh one, reported
+    assert isinstance(bucket.members[slot].seed, int)

@@ -5,7 +5,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from chorus_tune.seeds import as_seed
+from chorus_tune.seeds import chosen_seed
 
 from .members import Plan
 
@@ -186,4 +186,4 @@ def derived_seed(trial_id: str) -> int:
 
 
 def member_seed(config: dict, trial_id: str) -> int:
-    return as_seed(config["seed"]) if config.get("seed") is not None else derived_seed(trial_id)
+    return chosen_seed(config, otherwise=lambda: derived_seed(trial_id))

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import ray
 import ray.cloudpickle as cloudpickle
 
+from chorus_tune.config_keys import users_config
+
 from .options import BucketOptions
 from .resources import bucket_actor_options, bucket_threads, pick_device
 
@@ -60,7 +62,7 @@ async def measure_bucket_size(task: Any, task_blob: bytes, config: dict, options
         from chorus_tune.capacity import auto_capacity
 
         return auto_capacity(task, config, "cpu", fraction=options.memory_fraction, cap=options.max_bucket_size)
-    clean = {k: v for k, v in config.items() if not k.startswith("__")}
+    clean = users_config(config)
     return await _measure_remote.options(**bucket_actor_options(per_bucket)).remote(
         task_blob, clean, options.memory_fraction, options.max_bucket_size, options.memory_meter, options.route,
         bucket_threads(per_bucket))

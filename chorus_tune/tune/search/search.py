@@ -21,6 +21,8 @@ import ray.cloudpickle as cloudpickle
 from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.variant_generator import generate_variants
 
+from chorus_tune.config_keys import users_config
+
 from ..execution.resources import bucket_budget, bucket_resources
 from . import run_plan
 
@@ -427,7 +429,7 @@ class ChorusSearch(ConcurrencyLimiter):
 
         seats = []
         for item_id, config in drawn:
-            clean = {k: v for k, v in config.items() if not k.startswith("__")}
+            clean = users_config(config)
             # The seed is fixed now, before any trial exists: chorus/seed reports
             # it, and reference.train(task, config, seed) replays the member.
             seats.append((item_id, clean, member_seed(clean, self._seed_name(item_id))))
@@ -474,7 +476,7 @@ class ChorusSearch(ConcurrencyLimiter):
                 return Searcher.FINISHED
             return None
         item_id, config = pulled
-        clean = {k: v for k, v in config.items() if not k.startswith("__")}
+        clean = users_config(config)
         seat = (item_id, clean, member_seed(clean, self._seed_name(item_id)))
         call_pool("expect_scout", trial_id, seat)
         self._scout = trial_id

@@ -22,6 +22,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from chorus_tune.config_keys import is_tune_key
 from chorus_tune.stack import describe_split, sharing_key
 from chorus_tune.width_rule import WidthGroups
 from chorus_tune.widths import PaddingPrices
@@ -91,7 +92,7 @@ def _splitting_keys(task: Any, configs: list[dict], keys: list[Any],
         return (), ""
     base, base_key = configs[0], keys[0]
     splitting: list[tuple[str, int]] = []
-    for name in sorted({k for c in configs for k in c if not str(k).startswith("__")}, key=str):
+    for name in sorted({k for c in configs for k in c if not is_tune_key(k)}, key=str):
         values = _distinct([c[name] for c in configs if name in c])
         if len(values) < 2:
             continue

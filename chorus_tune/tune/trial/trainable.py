@@ -24,6 +24,8 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.tune import Trainable
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
+from chorus_tune.config_keys import users_config
+
 from ..execution.liveness import current_actor_id
 from ..execution.options import BucketOptions, Join, member_seed
 from ..execution.pool import NEED_TASK, Reservation, call_pool, get_pool, pool_lost, task_id
@@ -320,7 +322,7 @@ class ChorusTrainable(Trainable):
     # ----- helpers --------------------------------------------------------------------------------
     @staticmethod
     def _clean(config: dict) -> dict:
-        return {k: v for k, v in config.items() if not k.startswith("__")}
+        return users_config(config)
 
     def _reserve(self, config: dict) -> None:
         config = self._clean(config)
