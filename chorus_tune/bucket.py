@@ -86,7 +86,7 @@ class _Snapshot:
 
 
 @dataclass
-class _Plan:
+class _IterationPlan:
     """One iteration's inputs, drawn once: every attempt at it (the fused one,
     then smaller groups after an out-of-memory error) trains each member on the
     same batches and learning rates it would have had."""
@@ -106,10 +106,10 @@ class _Plan:
     metric_errors: dict[int, str] = field(default_factory=dict)
     completed: set[int] = field(default_factory=set)  # members whose group completed
 
-    def for_rows(self, rows: list[int]) -> "_Plan":
+    def for_rows(self, rows: list[int]) -> "_IterationPlan":
         """This plan for a stack gathered from ``rows`` (its row ``i`` is
         ``rows[i]``): the same batches and learning rates, renumbered."""
-        return _Plan(list(range(len(rows))), self.steps, self.lr[:, rows],
+        return _IterationPlan(list(range(len(rows))), self.steps, self.lr[:, rows],
                      None if self.index is None else self.index[:, rows], {}, self.tape,
                      None if self.smoothing is None else self.smoothing[rows])
 
@@ -569,13 +569,13 @@ class Bucket:
                                     results, plan.metric_errors)
         return results
 
-    def _metric_failure(self, plan: _Plan, results: dict[int, dict[str, Any]]) -> str:
+    def _metric_failure(self, plan: _IterationPlan, results: dict[int, dict[str, Any]]) -> str:
         slots = sorted(plan.metric_errors)
         return (f"a task metric failed on the evaluation of {len(slots)} member(s) "
                 f"({'; '.join(plan.metric_errors[k] for k in slots)}); {len(results)} other member(s) completed "
                 "this iteration (.results)")
 
-    def _plan(self, live: list[int]) -> _Plan:
+    def _plan(self, live: list[int]) -> _IterationPlan:
         first = self.members[live[0]]
         steps = self.task.steps_per_iteration(first.config)
         orders = {k: self.members[k].order.state_dict() for k in live if self.members[k].order is not None}
@@ -585,7 +585,7 @@ class Bucket:
         except BaseException:
             self._rewind_orders(orders)  # no member may lose its place in the data
             raise
-        return _Plan(live, steps, lr, index, orders, smoothing=self._smoothing(live))
+        return _IterationPlan(live, steps, lr, index, orders, smoothing=self._smoothing(live))
 
     def _smoothing(self, live: list[int]) -> torch.Tensor | None:
         """Each member's label smoothing as a ``(capacity,)`` tensor, or ``None``
@@ -599,7 +599,7 @@ class Bucket:
         for k, state in orders.items():
             self.members[k].order.load_state_dict(state)
 
-    def _train_in_groups(self, plan: _Plan) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
+    def _train_in_groups(self, plan: _IterationPlan) -> tuple[dict[int, dict[str, Any]], dict[int, str]]:
         """Train ``plan.live`` in groups of at most ``max_group``; after an
         out-of-memory error, put the group back and retry it at half the size.
 
@@ -635,7 +635,7 @@ class Bucket:
         self.max_group = max(1, (size + 1) // 2)
         return self.max_group
 
-    def _attempt(self, group: list[int], plan: _Plan) -> tuple[dict[int, dict[str, Any]] | None, str | None]:
+    def _attempt(self, group: list[int], plan: _IterationPlan) -> tuple[dict[int, dict[str, Any]] | None, str | None]:
         """Train ``group`` through ``plan``: ``(metrics, None)``, or, if it ran
         out of memory, ``(None, error)`` with the group's rows put back.
 
@@ -700,7 +700,7 @@ class Bucket:
             return False
         return route != "compiled" or 2 * len(group) <= self.capacity
 
-    def _attempt_gathered(self, group: list[int], plan: _Plan,
+    def _attempt_gathered(self, group: list[int], plan: _IterationPlan,
                           route: str) -> tuple[dict[int, dict[str, Any]] | None, str | None]:
         """:meth:`_attempt` for a group trained on a gathered stack of its own
         rows: the bucket's own tensors change only once the group has
@@ -753,7 +753,8 @@ class Bucket:
             return None
         return group
 
-    def _train_group(self, group: list[int], plan: _Plan, gather: bool, route: str) -> dict[int, dict[str, Any]]:
+    def _train_group(self, group: list[int], plan: _IterationPlan, gather: bool,
+                     route: str) -> dict[int, dict[str, Any]]:
         active = self._active_mask(group)
         # The full-stack forward updates BatchNorm statistics of every row,
         # empty ones too; the rows of members outside the group are put back so
@@ -784,7 +785,7 @@ class Bucket:
                       "iteration": m.iteration, "route": route, "seed": m.seed}
         return out
 
-    def _member_out_of_memory(self, plan: _Plan, failed: dict[int, str],
+    def _member_out_of_memory(self, plan: _IterationPlan, failed: dict[int, str],
                               results: dict[int, dict[str, Any]]) -> MemberOutOfMemory:
         # Back to where the iteration found them: they did not train.
         self._rewind_orders({k: state for k, state in plan.orders.items() if k in failed})
@@ -820,7 +821,7 @@ class Bucket:
             table[:, k] = self.members[k].order.take(steps)
         return table.to(self.device)
 
-    def _batch(self, plan: _Plan, s: int, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    def _batch(self, plan: _IterationPlan, s: int, rows: list[int] | None) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Step ``s``'s batch: shared, or one per row (only ``rows``' rows, if given)."""
         if plan.index is None:
             while len(plan.tape) <= s:

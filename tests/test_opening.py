@@ -1,21 +1,21 @@
 """What the pool opens a new bucket with (chorus_tune.tune.execution.opening), no Ray."""
-from chorus_tune.tune.execution.opening import actor_options, bucket_options
+from chorus_tune.tune.execution.opening import actor_options, new_bucket_options
 from chorus_tune.tune.execution.options import BucketOptions
 
 RUN = BucketOptions(bucket_size="auto", idle_close_s=9.0, route="vmap")
 
 
 def test_an_auto_sized_bucket_is_given_its_measured_size_as_a_number():
-    assert bucket_options(RUN, 12, {"GPU": 1.0}).bucket_size == 12
+    assert new_bucket_options(RUN, 12, {"GPU": 1.0}).bucket_size == 12
 
 
 def test_a_bucket_is_given_the_resources_it_claims_in_hashable_form():
-    opened = bucket_options(RUN, 12, {"GPU": 0.5, "CPU": 2.0})
+    opened = new_bucket_options(RUN, 12, {"GPU": 0.5, "CPU": 2.0})
     assert opened.resources_per_bucket == (("CPU", 2.0), ("GPU", 0.5))
 
 
 def test_a_bucket_keeps_the_runs_other_options():
-    opened = bucket_options(RUN, 12, {"GPU": 1.0})
+    opened = new_bucket_options(RUN, 12, {"GPU": 1.0})
     assert (opened.idle_close_s, opened.route) == (9.0, "vmap")
 
 

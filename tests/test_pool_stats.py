@@ -35,7 +35,7 @@ def test_a_moved_members_trial_is_sent_to_its_old_bucket_while_results_wait_ther
     # reads those first (then hears Moved), whatever bucket holds it now.
     pool = ChorusPool("job")
     pool.handles.update({"old": object(), "new": object()})
-    pool.book.house("m", "new")
+    pool.seats.house("m", "new")
     pool._draining["m"] = "old"
     assert asyncio.run(pool.bucket_of("m"))[0] == "old"
     del pool._draining["m"]

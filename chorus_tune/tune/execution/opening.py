@@ -16,7 +16,7 @@ from .options import BucketOptions
 from .resources import bucket_actor_options
 
 
-def bucket_options(options: BucketOptions, capacity: int, resources: Mapping[str, float]) -> BucketOptions:
+def new_bucket_options(options: BucketOptions, capacity: int, resources: Mapping[str, float]) -> BucketOptions:
     """The options a bucket of ``capacity`` slots claiming ``resources`` is
     made with: the run's ``options``, with the size and resources fixed."""
     return BucketOptions(**{**options.__dict__, "bucket_size": capacity,

@@ -38,7 +38,7 @@ from .cluster import node_cpus, pool_scheduling_strategy
 from .grouping import GroupKey, split_from, width_device
 from .leaving import Leaving
 from .members import Plan
-from .opening import actor_options, bucket_options
+from .opening import actor_options, new_bucket_options
 from .options import BucketOptions, Join, RungSchedule
 from .placement import Placed, Placement, Update
 from .readers import Readers
@@ -189,7 +189,7 @@ class ChorusPool:
         self.key_info: dict[GroupKey, GroupKey] = {}
         self.clients: dict[str, str | None] = {}  # trial or member -> its trial actor's id (liveness.py)
         self.history = BucketHistory()
-        self.book = SeatBook()  # seated members, those that cannot be built, and each member's home bucket
+        self.seats = SeatBook()  # seated members, those that cannot be built, and each member's home bucket
         self.readers = Readers()  # trial id -> the member it reads (or the seated one it is bound to)
         self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
@@ -279,20 +279,20 @@ class ChorusPool:
         for member, config, seed in seats:
             if self.scouts.release(member) is not None:
                 # A scout's member: seated now, first, with the cohort it waited for.
-                self.book.unseat(member)
-            if self.book.is_kept(member):
+                self.seats.unseat(member)
+            if self.seats.is_kept(member):
                 # Seated again (ChorusSearch restored in this job): kept as it is.
                 # (A trial that read some of its results and left made it leave.)
-                out[member] = self.book.status(member)
+                out[member] = self.seats.status(member)
                 continue
             try:
                 key = self._key(task_id_, options, config)
                 size = await self._bucket_size(key, options, config)
             except Exception as exc:  # noqa: BLE001 - the factory's (or the sizing's) error, for this member's trial
-                self.book.fail(member, exc)
+                self.seats.fail(member, exc)
                 out[member] = "failed"
                 continue
-            self.book.seat(member, Join(config=dict(config), seed=int(seed), plan=plan))
+            self.seats.seat(member, Join(config=dict(config), seed=int(seed), plan=plan))
             placed = self._request(member, key, size)
             out[member] = "queued" if placed is None else "seated"
             if placed is not None:
@@ -309,7 +309,7 @@ class ChorusPool:
         trials Tune runs read results that exist. Returns the member; for a
         trial that runs already, the candidate it reads, or ``None`` when it
         reads a member of its own."""
-        return self.readers.bind(trial_id, candidates, self.book.is_seated, self.book.is_housed)
+        return self.readers.bind(trial_id, candidates, self.seats.is_seated, self.seats.is_housed)
 
     # ----- trials in ------------------------------------------------------------------------------
     # ----- a search that learns its task from its first trial (a scout) --------------------------
@@ -327,7 +327,7 @@ class ChorusPool:
     def _hold_scout(self, trial_id: str, task_id_: str, options: BucketOptions) -> str:
         member, config, seed = self.scouts.arrived(trial_id, task_id_, options)
         key = self._key(task_id_, options, config)  # the factory's error, for the scout's trial
-        self.book.seat(member, Join(config=dict(config), seed=int(seed), plan=options.plan()))
+        self.seats.seat(member, Join(config=dict(config), seed=int(seed), plan=options.plan()))
         self.readers.bind_to(trial_id, member)
         self.scouts.hold(member, key, lambda m: asyncio.get_running_loop().create_task(self._place_held(m)))
         return member
@@ -339,7 +339,7 @@ class ChorusPool:
         logger.warning("pool: scout member %s waited %.0f s for its cohort; placed alone", member,
                        self.scouts.wait_s)
         options = key.options
-        size = await self._bucket_size(key, options, self.book.join_of(member).config)
+        size = await self._bucket_size(key, options, self.seats.join_of(member).config)
         placed = self._request(member, key, size)
         if placed is not None:
             await self._realize_waiting([placed])
@@ -370,14 +370,14 @@ class ChorusPool:
         await self.leaving.finished(trial_id, options.result_timeout_s)
         if self.scouts.is_expected(trial_id):
             self._hold_scout(trial_id, task_id_, options)
-        member = self.readers.bound_member(trial_id, self.book.is_seated)  # None once lost with its bucket
+        member = self.readers.bound_member(trial_id, self.seats.is_seated)  # None once lost with its bucket
         token = self.readers.start(trial_id, trial_id if member is None else member)
         if member is not None:
-            failure = self.book.failure(member)
+            failure = self.seats.failure(member)
             if failure is not None:
                 raise failure
-            seat = self.book.join_of(member)
-            home, name = self.book.home(member), self._read_from(member)
+            seat = self.seats.join_of(member)
+            home, name = self.seats.home(member), self._read_from(member)
             # Its bucket watches this trial's actor from now on, not only once
             # it first reads: an actor that dies before would leave the member
             # holding its slot for good.
@@ -477,7 +477,7 @@ class ChorusPool:
         self._stops.clear()
         for handle in list(self.handles.values()):
             handle.reset_stops.remote()
-        unread = self.book.unread(self.readers.members_read(), spare=seated_by)
+        unread = self.seats.unread(self.readers.members_read(), spare=seated_by)
         if self.placement is not None:
             # Queued ones first: a placed one's slot must not go to one about to leave.
             unread.sort(key=lambda member: not self.placement.is_waiting(member))
@@ -509,7 +509,7 @@ class ChorusPool:
             from .bucket_actor import BucketActor
 
             handle = BucketActor.options(**actor_options(name, NAMESPACE, resources)).remote(
-                name, self.blobs[tid], bucket_options(options, record.capacity, resources), model_name,
+                name, self.blobs[tid], new_bucket_options(options, record.capacity, resources), model_name,
                 ray.get_runtime_context().current_actor, capacity_fit=fit)
             self.handles[name] = handle
             self._send_stops(name)  # a bucket opened mid-run knows the decision points already
@@ -518,7 +518,7 @@ class ChorusPool:
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
         members = [p.trial_id for p in group]
         handle = self.handles[name]
-        await handle.expect_all.remote([(m, self.clients.get(m), self.book.join_of(m)) for m in members])
+        await handle.expect_all.remote([(m, self.clients.get(m), self.seats.join_of(m)) for m in members])
         for member in members:
             if self.placement.bucket_of(member) != name:
                 # It left while the bucket was being told (a new bucket's actor
@@ -532,7 +532,7 @@ class ChorusPool:
                 continue
             # Known as its home only once the bucket expects it: a trial that asks
             # the bucket before then would find no such member there.
-            self.book.house(member, name)
+            self.seats.house(member, name)
             self._events += 1
             future = self._waiting.pop(member, None)
             if future is not None and not future.done():
@@ -587,7 +587,7 @@ class ChorusPool:
         and sent to its bucket if it has joined already. (A seated member knew
         its rungs when it was seated.)"""
         self.plans[trial_id] = schedule
-        name = self.book.home(trial_id)
+        name = self.seats.home(trial_id)
         if self.readers.is_bound(trial_id) or name is None:
             return
         record = self.placement.buckets.get(name) if self.placement else None
@@ -626,7 +626,7 @@ class ChorusPool:
         """The pool's own part of ``member`` leaving, with no await: its home
         bucket (``None``: none), and what its freed slot set in motion."""
         self.scouts.release(member)
-        name = self.book.leave(member)
+        name = self.seats.leave(member)
         self._unplaced.pop(member, None)
         future = self._waiting.pop(member, None)
         if future is not None and not future.done():
@@ -666,10 +666,10 @@ class ChorusPool:
         """Bucket ``name`` says ``member`` no longer needs its slot: it
         ``"finished"`` (its results still drain from the bucket), or ``"failed"``
         (with ``error``) or was ``"reaped"``. The slot goes to a waiting member."""
-        if self.book.home(member) not in (None, name) and (
+        if self.seats.home(member) not in (None, name) and (
                 self.placement is None or self.placement.bucket_of(member) != name):
             return  # it moved on (regrouping): a bucket it left says nothing of it
-        self.book.out(member, reason)
+        self.seats.out(member, reason)
         if reason == "reaped":
             self.history.note(name, reason, member)
         if self.placement is None or self.placement.bucket_of(member) != name:
@@ -828,7 +828,7 @@ class ChorusPool:
                     with contextlib.suppress(RayActorError):
                         await dst.leave.remote(item["member"], keep_state=False)
                     continue
-                self.book.house(item["member"], dest)
+                self.seats.house(item["member"], dest)
                 housed.append(item["member"])
                 if item["queued"]:
                     self._draining[item["member"]] = source
@@ -840,7 +840,7 @@ class ChorusPool:
             # new bucket died are lost with it, as its own members are.
             logger.warning("pool: moving %s from bucket %s to %s failed: %s", members, source, dest, exc)
             for item in items or ():
-                if self.book.home(item["member"]) != dest:
+                if self.seats.home(item["member"]) != dest:
                     self._unplaced[item["member"]] = RuntimeError(
                         f"member {item['member']} was lost moving from bucket {source} to {dest}: {exc}")
             return False
@@ -869,7 +869,7 @@ class ChorusPool:
         while True:
             if member in self._unplaced:
                 raise self._unplaced[member]
-            name = self.book.home(member)
+            name = self.seats.home(member)
             if name is not None and name != source and name in self.handles:
                 return name, self.handles[name]
             if name is None or asyncio.get_running_loop().time() > deadline:
@@ -1002,7 +1002,7 @@ class ChorusPool:
         for member, source in list(self._draining.items()):
             if source == name:
                 del self._draining[member]  # its unread results died there (its trial hears it)
-        lost = self.book.bucket_lost(name)
+        lost = self.seats.bucket_lost(name)
         self.history.gone(name, died, lost)
         if self.placement is None or name not in self.placement.buckets:
             return
@@ -1035,7 +1035,7 @@ class ChorusPool:
         ``progress`` (changes whenever anything in the sweep moves: the pool's
         events and its buckets' iterations) and ``hopeless`` (the wait can
         never end: its bucket claims resources that no alive node has)."""
-        wait = what_it_waits_for(member, self.book.home(member), self.placement, self.scouts.is_held(member))
+        wait = what_it_waits_for(member, self.seats.home(member), self.placement, self.scouts.is_held(member))
         if wait.key is not None:  # it waits for a slot: idle members of full buckets give theirs up
             await self._evict_idle(wait.key)
         waits_for, hopeless = word_wait(member, wait, self.placement, self.handles, self._bucket_resources,
@@ -1059,7 +1059,7 @@ class ChorusPool:
             except RayActorError:
                 continue
             for member in evicted:
-                self.book.evicted(member, name)
+                self.seats.evicted(member, name)
                 if self.placement.bucket_of(member) == name:
                     await self._apply(self.placement.remove(member))
 
@@ -1085,7 +1085,7 @@ class ChorusPool:
         """The bucket ``member``'s trial reads next: the one it moved out of
         while results it left there wait (regrouping), else its home."""
         source = self._draining.get(member)
-        return source if source in self.handles else self.book.home(member)
+        return source if source in self.handles else self.seats.home(member)
 
     async def free_slots(self, structural_key: Hashable) -> int:
         """Free slots in open buckets whose sharing key (``chorus_tune.stack.sharing_key``) is ``structural_key``."""
