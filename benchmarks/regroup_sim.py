@@ -26,10 +26,11 @@ import hashlib
 import statistics
 from dataclasses import dataclass, field
 
-from chorus_tune.tune.execution.members import MemberBook, Phase, Plan
-from chorus_tune.tune.execution.placement import Placement
-from chorus_tune.tune.execution.regrouping import BucketView, member_view, plan_regroup
-from chorus_tune.tune.schedulers.halving import STOP, CohortBracket
+from chorus_tune.tune.rules.halving import STOP, CohortBracket
+from chorus_tune.tune.rules.members import MemberBook, Phase
+from chorus_tune.tune.rules.placement import Placement
+from chorus_tune.tune.rules.regrouping import BucketView, member_view, plan_regroup
+from chorus_tune.tune.values.plan import Plan
 
 
 def score(member: str, iteration: int) -> float:

@@ -322,7 +322,7 @@ def settle(timeout_s: float, poll_s: float = 0.2) -> tuple[float, bool]:
     it settled before ``timeout_s``."""
     import ray
 
-    from chorus_tune.tune.execution.pool import bucket_stats, close_idle_buckets
+    from chorus_tune.tune.client import bucket_stats, close_idle_buckets
 
     start = time.perf_counter()
     close_idle_buckets()
@@ -469,7 +469,7 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
     """Time one ``Tuner.fit`` of the sweep, with a stop dict on every side (the Tune way)."""
     from ray import tune
 
-    from chorus_tune.tune.execution.pool import bucket_stats
+    from chorus_tune.tune.client import bucket_stats
 
     timeline = make_timeline(all_queued=way_kind(way) == "floor")
     # The driver's pool outlives a run and lists every bucket it ever opened:
@@ -542,7 +542,7 @@ def fused_block(workload: str, batch_size: int, device: str, configs: list[dict]
     metric, how many reached the end, the member-epochs trained, and the wall-clock
     time (``time.time()``) its first epoch ended."""
     torch.set_num_threads(threads)  # what a bucket of (b) gets (fused_threads)
-    from chorus_tune.tune.schedulers.halving import select_survivors
+    from chorus_tune.tune.rules.halving import select_survivors
 
     bucket = ct.Bucket(make_task(workload, batch_size, n_train, n_val), len(configs), device=device)
     for config in configs:
@@ -579,7 +579,7 @@ def fused_threads(device: str, parallel: int, cpus: int) -> int:
     """The torch threads each (c) process gets: what a bucket of (b) gets. On a GPU a
     bucket runs one thread (its default resources, one CPU); on a CPU-only machine
     the open buckets share the node's cores (the pool's rule, ``shared_threads``)."""
-    from chorus_tune.tune.execution.resources import bucket_threads, shared_threads
+    from chorus_tune.tune.rules.resources import bucket_threads, shared_threads
 
     if device == "cuda":
         return bucket_threads({})
@@ -604,7 +604,7 @@ def run_fused(task: ct.Task, sw: Sweep, args) -> Outcome:
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    from chorus_tune.tune.schedulers.halving import rung_milestones
+    from chorus_tune.tune.rules.halving import rung_milestones
 
     rungs = set(rung_milestones(1, args.epochs, args.reduction_factor)) if args.scheduler != "fifo" else set()
     blocks = fused_blocks(task, sw.configs, args.bucket_size)

@@ -28,7 +28,8 @@ from torch import nn
 
 from chorus_tune import Task, reference
 from chorus_tune.tune import ChorusASHA, ChorusSearch, ChorusTrainable, bucket_stats
-from chorus_tune.tune.execution.pool import NAMESPACE, get_pool
+from chorus_tune.tune.client import get_pool
+from chorus_tune.tune.values.protocol import NAMESPACE
 
 from tune_support import digits, mlp
 

@@ -15,8 +15,8 @@ import ray.cloudpickle
 from ray.tune import Callback
 
 from chorus_tune import reference
-from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune.schedulers.halving import CohortBracket, select_survivors
+from chorus_tune.tune.rules.halving import CohortBracket, select_survivors
+from chorus_tune.tune.values import result_keys as rk
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

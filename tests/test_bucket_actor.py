@@ -17,11 +17,11 @@ import pytest
 import ray.cloudpickle as cloudpickle
 
 from chorus_tune import reference
-from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune.execution.bucket_actor import ChorusBucket, MemberError
-from chorus_tune.tune.execution.members import Plan
-from chorus_tune.tune.execution.options import BucketOptions, Join
-from chorus_tune.tune.trial import state_io
+from chorus_tune.tune.actors.bucket_actor import ChorusBucket, MemberError
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values import state_io
+from chorus_tune.tune.values.options import BucketOptions, Join
+from chorus_tune.tune.values.plan import Plan
 
 from tune_support import digits_task
 
@@ -279,7 +279,7 @@ def test_a_member_watched_while_it_leaves_is_not_reaped_once_it_has_left(monkeyp
     # The pool binds a trial (watch) while that trial's leave waits for the
     # running iteration: the leave must not keep the watch. Seen before: once
     # the trial actor ended, every reap interval "dropped" the member again.
-    from chorus_tune.tune.execution import liveness
+    from chorus_tune.tune.actors import liveness
 
     monkeypatch.setattr(liveness, "dead_among", lambda ids: set(ids))  # every trial actor is gone
     caplog.set_level(logging.INFO, logger="chorus_tune")
@@ -492,7 +492,7 @@ def test_a_continue_that_may_clear_an_iteration_reaches_the_pool_and_evidence_fr
 
 
 def test_an_error_that_does_not_pickle_reaches_the_pool_as_its_type_and_message():
-    from chorus_tune.tune.execution.bucket_actor import _portable
+    from chorus_tune.tune.actors.bucket_actor import _portable
 
     class HoldsALock(Exception):
         def __init__(self, message):
@@ -543,7 +543,7 @@ STATUS = re.compile(r"test-bucket: iteration (\d+), live (\d+)/(\d+), trained (\
 
 
 def test_each_iteration_writes_one_status_line_saying_what_its_results_say(caplog):
-    caplog.set_level(logging.INFO, logger="chorus_tune.tune.execution.bucket_actor")
+    caplog.set_level(logging.INFO, logger="chorus_tune.tune.actors.bucket_actor")
 
     async def scenario():
         bucket = make_bucket(3)
@@ -559,7 +559,7 @@ def test_each_iteration_writes_one_status_line_saying_what_its_results_say(caplo
 
 
 def test_a_status_line_counts_every_trained_member_s_batches_the_last_iteration_included(caplog):
-    caplog.set_level(logging.INFO, logger="chorus_tune.tune.execution.bucket_actor")
+    caplog.set_level(logging.INFO, logger="chorus_tune.tune.actors.bucket_actor")
 
     async def scenario():
         bucket = make_bucket(2)
@@ -578,7 +578,7 @@ def test_a_status_line_counts_every_trained_member_s_batches_the_last_iteration_
 
 
 def test_a_member_that_leaves_with_unread_results_is_logged_as_wasted(caplog):
-    caplog.set_level(logging.INFO, logger="chorus_tune.tune.execution.bucket_actor")
+    caplog.set_level(logging.INFO, logger="chorus_tune.tune.actors.bucket_actor")
 
     async def scenario():
         bucket = make_bucket(1)

@@ -1,5 +1,5 @@
-"""What the pool's stats say of every bucket (chorus_tune.tune.execution.bucket_history), no Ray."""
-from chorus_tune.tune.execution.bucket_history import BucketHistory
+"""What the pool's stats say of every bucket (chorus_tune.tune.rules.bucket_history), no Ray."""
+from chorus_tune.tune.rules.bucket_history import BucketHistory
 
 LIVE = {"node_id": "n2", "wasted": 3, "iterations": 40, "route": "vmap", "max_queue": 2, "decision_points": [3],
         "member_iterations": 90, "rows_computed": 120}

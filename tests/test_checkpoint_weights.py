@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 import chorus_tune as ct
-from chorus_tune.tune.trial import state_io
 from chorus_tune.tune.trial.checkpoint import WEIGHTS_FILE, load_model, load_weights, write_weights
+from chorus_tune.tune.values import state_io
 
 from models import tiny_mlp as mlp
 from models import tiny_task as _task

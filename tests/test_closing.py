@@ -1,14 +1,8 @@
-"""When the pool closes an empty bucket and compacts one (chorus_tune.tune.execution.closing), no Ray."""
-from chorus_tune.tune.execution.closing import (
-    Watches,
-    compact_after_s,
-    compaction_due,
-    idle_close_s,
-    stays_idle,
-)
-from chorus_tune.tune.execution.grouping import GroupKey
-from chorus_tune.tune.execution.options import BucketOptions
-from chorus_tune.tune.execution.placement import Placement
+"""When the pool closes an empty bucket and compacts one (chorus_tune.tune.rules.closing), no Ray."""
+from chorus_tune.tune.rules.closing import Watches, compact_after_s, compaction_due, idle_close_s, stays_idle
+from chorus_tune.tune.rules.grouping import GroupKey
+from chorus_tune.tune.rules.placement import Placement
+from chorus_tune.tune.values.options import BucketOptions
 
 OPTIONS = BucketOptions(bucket_size=4, idle_close_s=7.0, compact_after_s=3.0)
 KEY = GroupKey("task", OPTIONS, "MLP", ("mlp",))

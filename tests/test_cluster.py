@@ -21,9 +21,10 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from chorus_tune import reference
 from chorus_tune.tune import bucket_stats
-from chorus_tune.tune.execution.bucket_actor import BucketActor
-from chorus_tune.tune.execution.options import BucketOptions
-from chorus_tune.tune.execution.pool import NAMESPACE, get_pool, pool_name
+from chorus_tune.tune.actors.bucket_actor import BucketActor
+from chorus_tune.tune.client import get_pool
+from chorus_tune.tune.values.options import BucketOptions
+from chorus_tune.tune.values.protocol import NAMESPACE, pool_name
 
 from cluster_support import (
     GPUS_PER_WORKER,

@@ -1,7 +1,7 @@
-"""The compaction rule (chorus_tune.tune.execution.grouping) and the purity of the policy modules, no Ray."""
+"""The compaction rule (chorus_tune.tune.rules.grouping) and the purity of the policy modules, no Ray."""
 import pytest
 
-from chorus_tune.tune.execution.grouping import should_compact
+from chorus_tune.tune.rules.grouping import should_compact
 
 
 @pytest.mark.parametrize(
@@ -25,12 +25,12 @@ def test_pure_policy_modules_do_not_import_ray():
     import subprocess
     import sys
 
-    code = ("import sys, chorus_tune.tune.execution.grouping, chorus_tune.tune.schedulers.halving, "
-            "chorus_tune.tune.execution.members, chorus_tune.tune.execution.placement, "
-            "chorus_tune.tune.execution.run_stops, chorus_tune.tune.execution.scouts, "
-            "chorus_tune.tune.execution.readers, chorus_tune.tune.execution.bucket_history, "
-            "chorus_tune.tune.execution.seat_book, chorus_tune.tune.execution.closing, "
-            "chorus_tune.tune.execution.wait_status, chorus_tune.tune.execution.opening, "
-            "chorus_tune.tune.execution.waits, chorus_tune.tune.execution.regrouping; "
+    code = ("import sys, chorus_tune.tune.rules.grouping, chorus_tune.tune.rules.halving, "
+            "chorus_tune.tune.rules.members, chorus_tune.tune.rules.placement, "
+            "chorus_tune.tune.rules.run_stops, chorus_tune.tune.rules.scouts, "
+            "chorus_tune.tune.rules.readers, chorus_tune.tune.rules.bucket_history, "
+            "chorus_tune.tune.rules.seat_book, chorus_tune.tune.rules.closing, "
+            "chorus_tune.tune.rules.wait_status, chorus_tune.tune.rules.opening, "
+            "chorus_tune.tune.rules.waits, chorus_tune.tune.rules.regrouping; "
             "sys.exit(1 if 'ray' in sys.modules else 0)")
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

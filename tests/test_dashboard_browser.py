@@ -23,8 +23,8 @@ from ray import tune
 from ray.util.state import get_log, list_actors
 
 from chorus_tune.tune import ChorusTrainable
-from chorus_tune.tune.execution.pool import NAMESPACE
 from chorus_tune.tune.search.search import ChorusSearch
+from chorus_tune.tune.values.protocol import NAMESPACE
 
 from dashboard_support import TABLE_ROWS_JS, Chromium, find_chromium, login, trial_actors
 from tune_support import digits_task, run_config

@@ -10,8 +10,8 @@ import ray.cloudpickle
 
 from chorus_tune import reference
 from chorus_tune.tune import ChorusTrainable
-from chorus_tune.tune.execution.pool import NAMESPACE
-from chorus_tune.tune.execution.waits import Evicted
+from chorus_tune.tune.rules.waits import Evicted
+from chorus_tune.tune.values.protocol import NAMESPACE
 
 from tune_support import digits_task
 

@@ -1,5 +1,5 @@
-"""Who shares a bucket (chorus_tune.tune.execution.grouping), no Ray."""
-from chorus_tune.tune.execution.grouping import GroupKey, split_from
+"""Who shares a bucket (chorus_tune.tune.rules.grouping), no Ray."""
+from chorus_tune.tune.rules.grouping import GroupKey, split_from
 
 KEY = GroupKey("task", "options", "MLP", ("relu",))
 
@@ -25,7 +25,7 @@ def test_a_first_key_splits_from_nothing():
 
 
 def test_widths_are_judged_for_the_gpu_where_a_bucket_claims_one():
-    from chorus_tune.tune.execution.grouping import width_device
+    from chorus_tune.tune.rules.grouping import width_device
 
     assert width_device({"GPU": 0.5, "CPU": 1}) == "cuda"
     assert width_device({"CPU": 1}) == "cpu"

@@ -1,10 +1,10 @@
-"""The cohort successive-halving rule (chorus_tune.tune.schedulers.halving), without Ray."""
+"""The cohort successive-halving rule (chorus_tune.tune.rules.halving), without Ray."""
 import math
 import random
 
 import pytest
 
-from chorus_tune.tune.schedulers.halving import (
+from chorus_tune.tune.rules.halving import (
     CONTINUE,
     STOP,
     CohortBracket,

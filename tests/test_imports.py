@@ -41,7 +41,7 @@ def _imports(path: pathlib.Path) -> set[str]:
 def import_graph() -> dict[str, set[str]]:
     modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
     # A package's __init__ is not an edge target that counts: importing
-    # chorus_tune.tune.execution.pool runs the package inits on the way, and
+    # chorus_tune.tune.actors.pool runs the package inits on the way, and
     # ours only name lazy exports.
     return {name: {m for m in _imports(path) if m in modules and not (modules[m].name == "__init__.py")}
             for name, path in modules.items()}
@@ -85,3 +85,38 @@ def test_the_core_never_imports_the_ray_layer():
     graph = import_graph()
     core = [m for m in graph if not m.startswith("chorus_tune.tune")]
     assert {m: sorted(t for t in graph[m] if t.startswith("chorus_tune.tune")) for m in core} == {m: [] for m in core}
+
+
+# The Tune layer's floors, bottom up (docs/design.md "Layout"): a module imports only from its own
+# floor or below. The adapters share the top floor, and among them only trial/ is imported (by
+# search/ and schedulers/, which need ChorusTrainable), never the other way.
+TUNE_FLOORS = [
+    ("values",), ("rules",), ("observe",), ("actors",), ("client",), ("trial",), ("search", "schedulers"),
+]
+
+
+def _floor(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["chorus_tune", "tune"] or len(parts) < 3:
+        return None
+    return next((i for i, names in enumerate(TUNE_FLOORS) if parts[2] in names), None)
+
+
+def _imports_up(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if _floor(m) is not None and _floor(t) is not None and _floor(t) > _floor(m))
+
+
+def test_every_module_of_the_tune_layer_is_on_a_floor():
+    graph = import_graph()
+    tune = [m for m in graph if m.startswith("chorus_tune.tune.")]
+    assert [m for m in tune if _floor(m) is None] == []
+
+
+def test_no_module_of_the_tune_layer_imports_from_a_floor_above_it():
+    assert _imports_up(import_graph()) == []
+
+
+def test_the_floor_check_sees_an_import_that_runs_back_up():
+    graph = {"chorus_tune.tune.rules.members": {"chorus_tune.tune.actors.pool"}}
+    assert _imports_up(graph) == [("chorus_tune.tune.rules.members", "chorus_tune.tune.actors.pool")]

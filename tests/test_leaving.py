@@ -3,7 +3,7 @@ import asyncio
 
 import pytest
 
-from chorus_tune.tune.execution.leaving import Leaving
+from chorus_tune.tune.rules.leaving import Leaving
 
 
 def test_a_member_with_no_leave_under_way_is_finished_at_once():

@@ -1,4 +1,4 @@
-"""The reaper's question (execution/liveness.py): is the trial actor with this id gone?"""
+"""The reaper's question (actors/liveness.py): is the trial actor with this id gone?"""
 from __future__ import annotations
 
 import time
@@ -6,7 +6,7 @@ import time
 import pytest
 import ray
 
-from chorus_tune.tune.execution import liveness
+from chorus_tune.tune.actors import liveness
 
 pytestmark = pytest.mark.usefixtures("local_ray")
 

@@ -5,8 +5,9 @@ import math
 
 import pytest
 
-from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune.execution.members import MemberBook, Phase, Plan
+from chorus_tune.tune.rules.members import MemberBook, Phase
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values.plan import Plan
 
 
 def book_with(plan: Plan, n: int, max_queue: int = 64, gather_s: float = 0.0) -> MemberBook:

@@ -1,6 +1,6 @@
-"""What the pool opens a new bucket with (chorus_tune.tune.execution.opening), no Ray."""
-from chorus_tune.tune.execution.opening import actor_options, new_bucket_options
-from chorus_tune.tune.execution.options import BucketOptions
+"""What the pool opens a new bucket with (chorus_tune.tune.rules.opening), no Ray."""
+from chorus_tune.tune.rules.opening import actor_options, new_bucket_options
+from chorus_tune.tune.values.options import BucketOptions
 
 RUN = BucketOptions(bucket_size="auto", idle_close_s=9.0, route="vmap")
 

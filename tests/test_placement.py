@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from chorus_tune.tune.execution.placement import Placement
+from chorus_tune.tune.rules.placement import Placement
 
 
 def test_a_bucket_fills_to_capacity_before_another_of_its_key_opens():

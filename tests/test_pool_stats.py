@@ -1,8 +1,8 @@
 """The pool's stats while buckets open (ChorusPool.stats), on a pool object outside Ray."""
 import asyncio
 
-from chorus_tune.tune.execution.bucket_history import LIVE_REPORTED
-from chorus_tune.tune.execution.pool import ChorusPool
+from chorus_tune.tune.actors.pool import ChorusPool
+from chorus_tune.tune.rules.bucket_history import LIVE_REPORTED
 
 
 class Describing:

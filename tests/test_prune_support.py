@@ -8,7 +8,7 @@ import sys
 import pytest
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from chorus_tune.tune import result_keys as rk  # noqa: E402
+from chorus_tune.tune.values import result_keys as rk  # noqa: E402
 
 from prune_support import replay  # noqa: E402
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune.execution.members import MemberBook, Plan
+from chorus_tune.tune.rules.members import MemberBook
 from chorus_tune.tune.trial.read_ahead import ReadAhead
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values.plan import Plan
 
 
 def results(*iterations: int, done_at: int | None = None) -> list[dict]:

@@ -1,5 +1,5 @@
-"""Which member each trial reads (chorus_tune.tune.execution.readers), no Ray."""
-from chorus_tune.tune.execution.readers import Readers
+"""Which member each trial reads (chorus_tune.tune.rules.readers), no Ray."""
+from chorus_tune.tune.rules.readers import Readers
 
 
 def among(*names):

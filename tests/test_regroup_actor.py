@@ -16,12 +16,13 @@ import ray.cloudpickle as cloudpickle
 from test_bucket_actor import RTOL, Gate, join, reference_history, until
 
 from chorus_tune import reference
-from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune.execution.bucket_actor import ChorusBucket
-from chorus_tune.tune.execution.members import Phase, Plan
-from chorus_tune.tune.execution.options import BucketOptions
-from chorus_tune.tune.execution.regrouping import Moved
-from chorus_tune.tune.trial import state_io
+from chorus_tune.tune.actors.bucket_actor import ChorusBucket
+from chorus_tune.tune.rules.members import Phase
+from chorus_tune.tune.rules.regrouping import Moved
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values import state_io
+from chorus_tune.tune.values.options import BucketOptions
+from chorus_tune.tune.values.plan import Plan
 
 from tune_support import digits_task
 
@@ -210,7 +211,7 @@ def test_a_sparse_buckets_members_move_into_another_of_their_key_and_their_trial
     import ray
 
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.execution.pool import get_pool
+    from chorus_tune.tune.client import get_pool
 
     trainable = ChorusTrainable.for_task(digits_task(), bucket_size=4, max_buckets=2, route="vmap", gather_s=0.0,
                                          idle_close_s=0.5)

@@ -1,4 +1,4 @@
-"""Survivors move together: the regrouping rule (chorus_tune.tune.execution.regrouping), no Ray.
+"""Survivors move together: the regrouping rule (chorus_tune.tune.rules.regrouping), no Ray.
 
 Which members leave a sparse bucket for which other bucket of their key, and
 the cohort rule that keeps moved members apart from the ones they meet there
@@ -9,9 +9,8 @@ from __future__ import annotations
 import pathlib
 import sys
 
-from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune.execution.members import MemberBook, Phase, Plan
-from chorus_tune.tune.execution.regrouping import (
+from chorus_tune.tune.rules.members import MemberBook, Phase
+from chorus_tune.tune.rules.regrouping import (
     BucketView,
     MemberView,
     Unit,
@@ -20,6 +19,8 @@ from chorus_tune.tune.execution.regrouping import (
     plan_regroup,
     units_of,
 )
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values.plan import Plan
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
 import regroup_sim  # noqa: E402  (benchmarks/ is not a package)

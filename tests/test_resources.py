@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from chorus_tune.tune.execution.options import BucketOptions, RungSchedule, derived_seed, member_seed
-from chorus_tune.tune.execution.resources import (
+from chorus_tune.tune.rules.resources import (
     bucket_actor_options,
     bucket_budget,
     default_bucket_resources,
@@ -12,6 +11,7 @@ from chorus_tune.tune.execution.resources import (
     shared_threads,
     trial_token_cpu,
 )
+from chorus_tune.tune.values.options import BucketOptions, RungSchedule, derived_seed, member_seed
 
 
 def test_cpu_only_cluster_gets_one_bucket_per_core_and_a_token_per_slot():

@@ -90,7 +90,7 @@ def test_the_probe_gives_each_member_its_own_batch_when_training_does():
 
 def test_the_tune_options_accept_exactly_the_cores_routes():
     from chorus_tune.route import ROUTES
-    from chorus_tune.tune.execution.options import BucketOptions
+    from chorus_tune.tune.values.options import BucketOptions
 
     for route in ROUTES:
         assert BucketOptions(route=route).route == route

@@ -8,8 +8,8 @@ import pytest
 from test_bucket_actor import make_bucket, seat
 
 from chorus_tune.route import RouteReason
-from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune.execution.members import Plan
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values.plan import Plan
 
 pytestmark = pytest.mark.usefixtures("local_ray")  # the bucket's metrics need a Ray instance
 

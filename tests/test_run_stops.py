@@ -1,5 +1,5 @@
-"""Stop counts shared across a run's buckets (chorus_tune.tune.execution.run_stops), no Ray."""
-from chorus_tune.tune.execution.run_stops import RunStops
+"""Stop counts shared across a run's buckets (chorus_tune.tune.rules.run_stops), no Ray."""
+from chorus_tune.tune.rules.run_stops import RunStops
 
 
 def test_a_bucket_hears_the_other_buckets_counts_added_up():

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from chorus_tune.tune import result_keys as rk
 from chorus_tune.tune.schedulers.asha import ChorusASHA
-from chorus_tune.tune.search import run_plan
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values import run_plan
 
 
 class _Trial:

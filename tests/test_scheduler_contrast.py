@@ -9,9 +9,10 @@ import pytest
 from ray.tune.schedulers import ASHAScheduler
 from ray.tune.schedulers.async_hyperband import _Bracket
 
-from chorus_tune.tune.execution.members import MemberBook, Plan
+from chorus_tune.tune.rules.halving import rung_milestones, survivors_count
+from chorus_tune.tune.rules.members import MemberBook
 from chorus_tune.tune.schedulers.asha import ChorusASHA
-from chorus_tune.tune.schedulers.halving import rung_milestones, survivors_count
+from chorus_tune.tune.values.plan import Plan
 
 
 class _Trial:

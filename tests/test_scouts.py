@@ -1,5 +1,5 @@
-"""A search's scouts and their held members (chorus_tune.tune.execution.scouts), no Ray."""
-from chorus_tune.tune.execution.scouts import SCOUT_WAIT_S, Scouts
+"""A search's scouts and their held members (chorus_tune.tune.rules.scouts), no Ray."""
+from chorus_tune.tune.rules.scouts import SCOUT_WAIT_S, Scouts
 
 
 class Timers:

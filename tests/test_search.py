@@ -209,7 +209,7 @@ def test_state_leaves_the_trainable_and_inner_searcher_out():
 
 
 def test_with_a_random_state_member_seeds_follow_the_draw_order_not_the_random_ids():
-    from chorus_tune.tune.execution.options import member_seed
+    from chorus_tune.tune.values.options import member_seed
 
     first, second = ChorusSearch(random_state=3), ChorusSearch(random_state=3)
     other = ChorusSearch(random_state=4)
@@ -261,7 +261,7 @@ def test_an_inner_searcher_owns_its_own_trial_count():
 def test_each_suggestion_hands_tune_s_next_trial_the_search_s_concurrency():
     # Tune creates the trial, and asks its trainable for resources, right after
     # suggest returns (SearchGenerator.create_trial_if_possible -> add_trial).
-    from chorus_tune.tune.search import run_plan
+    from chorus_tune.tune.values import run_plan
 
     s = _search(max_concurrent_trials=3)
     run_plan.take_trial_concurrency()

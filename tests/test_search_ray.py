@@ -122,7 +122,7 @@ def test_tuner_restore_reseats_members_and_every_trial_follows_its_reference(tmp
 
 
 def _seat_one(pool, trainable, member, lr):
-    from chorus_tune.tune.execution.members import Plan
+    from chorus_tune.tune.values.plan import Plan
 
     args = ([(member, {"lr": lr}, 7)], trainable._task_id, trainable._task_blob, trainable.bucket_options(), Plan())
     return ray.get(pool.seat.remote(*args))[member]
@@ -145,8 +145,8 @@ def test_seating_again_keeps_a_member_a_trial_already_reads():
     # restarted trial may already read one of them by then. The re-seat must
     # not pull that member from under it.
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.execution.options import Join
-    from chorus_tune.tune.execution.pool import get_pool
+    from chorus_tune.tune.client import get_pool
+    from chorus_tune.tune.values.options import Join
 
     from tune_support import digits_task
 
@@ -170,8 +170,8 @@ def test_seating_again_keeps_a_member_a_trial_already_reads():
 
 def test_a_member_that_left_is_seated_again_afresh():
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.execution.options import Join
-    from chorus_tune.tune.execution.pool import get_pool
+    from chorus_tune.tune.client import get_pool
+    from chorus_tune.tune.values.options import Join
 
     from tune_support import digits_task
 
@@ -205,7 +205,7 @@ def test_a_seated_member_that_fails_before_its_trial_asks_gives_the_trial_its_ow
     import time
 
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.execution.pool import get_pool
+    from chorus_tune.tune.client import get_pool
 
     from tune_support import digits_task
 
@@ -229,7 +229,7 @@ def test_a_member_that_leaves_while_its_new_bucket_starts_is_not_trained_there()
     # member, unread, for good, and never closed: it held the bucket budget.
 
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.execution.pool import get_pool
+    from chorus_tune.tune.client import get_pool
 
     from tune_support import digits_task
 
@@ -246,7 +246,7 @@ def test_a_member_that_leaves_while_its_new_bucket_starts_is_not_trained_there()
 def test_close_idle_buckets_closes_the_idle_ones_now_and_leaves_the_busy_ones():
 
     from chorus_tune.tune import ChorusTrainable, close_idle_buckets
-    from chorus_tune.tune.execution.pool import get_pool
+    from chorus_tune.tune.client import get_pool
 
     from tune_support import digits_task
 
@@ -277,7 +277,7 @@ def test_a_seated_member_whose_trial_actor_dies_before_reading_is_reaped():
     import time
 
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.execution.pool import get_pool
+    from chorus_tune.tune.client import get_pool
 
     from tune_support import digits_task
 
@@ -318,7 +318,8 @@ def test_a_run_that_ended_early_leaves_no_unread_member_holding_the_next_run_s_b
     # bucket never drained. At max_buckets=1 (one GPU) the next run in this
     # driver waited for that bucket's budget for good.
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.execution.pool import UNREAD_AT_NEW_RUN, get_pool
+    from chorus_tune.tune.actors.pool import UNREAD_AT_NEW_RUN
+    from chorus_tune.tune.client import get_pool
 
     from tune_support import digits_task
 

@@ -1,6 +1,6 @@
-"""Seated members, failures and homes (chorus_tune.tune.execution.seat_book), no Ray."""
-from chorus_tune.tune.execution.options import Join
-from chorus_tune.tune.execution.seat_book import SeatBook
+"""Seated members, failures and homes (chorus_tune.tune.rules.seat_book), no Ray."""
+from chorus_tune.tune.rules.seat_book import SeatBook
+from chorus_tune.tune.values.options import Join
 
 JOIN = Join(config={"lr": 0.1}, seed=7)
 

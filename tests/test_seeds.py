@@ -63,7 +63,7 @@ def test_a_given_seed_comes_first_then_the_config_s_then_the_reader_s_own():
 
 
 def test_the_bucket_the_reference_and_the_tune_layer_read_a_seed_alike():
-    from chorus_tune.tune.execution.options import derived_seed, member_seed
+    from chorus_tune.tune.values.options import derived_seed, member_seed
 
     bucket = ct.Bucket(mlp_task(), capacity=2, route="eager")
     for config in ({"lr": 0.1, "seed": 3.0}, {"lr": 0.1, "seed": "3"}):

@@ -8,9 +8,10 @@ from dataclasses import dataclass
 import pytest
 from test_members import book_with, run, run_until_idle
 
-from chorus_tune.tune.execution.members import MemberBook, Phase, Plan, StopRecord, sum_counts
-from chorus_tune.tune.execution.options import BucketOptions
-from chorus_tune.tune.search.run_plan import stop_terms
+from chorus_tune.tune.rules.members import MemberBook, Phase, StopRecord, sum_counts
+from chorus_tune.tune.values.options import BucketOptions
+from chorus_tune.tune.values.plan import Plan
+from chorus_tune.tune.values.run_plan import stop_terms
 
 
 def read_all(book: MemberBook, member: str) -> int:

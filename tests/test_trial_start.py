@@ -69,7 +69,7 @@ def test_a_trial_chorus_search_suggested_holds_its_share_of_the_cores(driver):
     # Issue 40 item 5: ChorusSearch runs 2 trials at once on the 2 CPUs; the
     # trials' tokens hold the cores the buckets compute on (1 CPU each), not
     # 2 / 8 slots each (Ray saw 0.5 of 2 CPUs in use).
-    from chorus_tune.tune.search import run_plan
+    from chorus_tune.tune.values import run_plan
 
     trainable = ChorusTrainable.for_task(mlp_task(), bucket_size=4)
     run_plan.hand_trial_concurrency(2)  # ChorusSearch.suggest, just before Tune creates the trial
@@ -77,7 +77,7 @@ def test_a_trial_chorus_search_suggested_holds_its_share_of_the_cores(driver):
 
 
 def test_a_trial_of_tunes_default_search_gets_a_token_per_slot(driver):
-    from chorus_tune.tune.search import run_plan
+    from chorus_tune.tune.values import run_plan
 
     trainable = ChorusTrainable.for_task(mlp_task(), bucket_size=4)
     run_plan.hand_trial_concurrency(2)

@@ -21,7 +21,7 @@ from torch import nn
 
 from chorus_tune import reference
 from chorus_tune.tune import ChorusTrainable, bucket_stats
-from chorus_tune.tune import result_keys as rk
+from chorus_tune.tune.values import result_keys as rk
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 

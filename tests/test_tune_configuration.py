@@ -11,7 +11,7 @@ from torch import nn
 
 from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable
-from chorus_tune.tune import result_keys as rk
+from chorus_tune.tune.values import result_keys as rk
 
 from tune_support import digits_task, run_config
 

@@ -20,9 +20,9 @@ from ray.tune.schedulers import ASHAScheduler
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from chorus_tune import reference  # noqa: E402
 from chorus_tune.tune import ChorusTrainable  # noqa: E402
-from chorus_tune.tune import result_keys as rk  # noqa: E402
 from chorus_tune.tune.schedulers.asha import ChorusASHA  # noqa: E402
 from chorus_tune.tune.search.search import ChorusSearch  # noqa: E402
+from chorus_tune.tune.values import result_keys as rk  # noqa: E402
 
 from prune_support import Recorder  # noqa: E402
 from tune_support import digits_task, run_config  # noqa: E402

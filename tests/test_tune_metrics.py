@@ -10,8 +10,8 @@ import torch
 from ray import tune
 
 from chorus_tune.tune import ChorusSearch, ChorusTrainable
-from chorus_tune.tune import result_keys as rk
 from chorus_tune.tune.schedulers.asha import ChorusASHA
+from chorus_tune.tune.values import result_keys as rk
 
 from prune_support import Recorder, reference_metric, replay
 from tune_support import digits_task, run_config

@@ -17,10 +17,11 @@ from ray.tune.schedulers import HyperBandScheduler, PopulationBasedTraining
 
 from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats
-from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune.execution.options import Join
-from chorus_tune.tune.execution.pool import NAMESPACE, call_pool, get_pool, pool_name
+from chorus_tune.tune.client import call_pool, get_pool
 from chorus_tune.tune.trial.checkpoint import member_state
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values.options import Join
+from chorus_tune.tune.values.protocol import NAMESPACE, pool_name
 
 from models import tanh_mlp
 from stable_settings import PBT_ITERATIONS, PBT_LR, PBT_MOMENTUM, PBT_RESULT_TOL

@@ -11,8 +11,8 @@ from ray import tune
 
 from chorus_tune import reference
 from chorus_tune.tune import ChorusSearch, ChorusTrainable, bucket_stats, load_model, retire_trial
-from chorus_tune.tune import result_keys as rk
-from chorus_tune.tune.execution.pool import NAMESPACE
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values.protocol import NAMESPACE
 
 from tune_support import digits_task, history, imported, mlp, picky_mlp, run_config
 

@@ -1,8 +1,7 @@
-"""What a waiting trial waits for, in words (chorus_tune.tune.execution.wait_status), no Ray."""
-from chorus_tune.tune.execution.grouping import GroupKey
-from chorus_tune.tune.execution.options import BucketOptions
-from chorus_tune.tune.execution.placement import Placement
-from chorus_tune.tune.execution.wait_status import (
+"""What a waiting trial waits for, in words (chorus_tune.tune.rules.wait_status), no Ray."""
+from chorus_tune.tune.rules.grouping import GroupKey
+from chorus_tune.tune.rules.placement import Placement
+from chorus_tune.tune.rules.wait_status import (
     BUCKET,
     COHORT,
     HOUSED,
@@ -13,6 +12,7 @@ from chorus_tune.tune.execution.wait_status import (
     what_it_waits_for,
     word_wait,
 )
+from chorus_tune.tune.values.options import BucketOptions
 
 KEY = GroupKey("task", BucketOptions(bucket_size=2), "MLP", ("mlp",))
 OTHER = KEY._replace(model_name="CNN", structural_key=("cnn",))

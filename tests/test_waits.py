@@ -1,10 +1,10 @@
-"""Every wait ends (docs/design.md "Faults"): the Ray-free rules of tune/execution/waits.py and the placement queue."""
+"""Every wait ends (docs/design.md "Faults"): the Ray-free rules of tune/rules/waits.py and the placement queue."""
 from __future__ import annotations
 
 import pytest
 
-from chorus_tune.tune.execution.placement import Placement
-from chorus_tune.tune.execution.waits import Stall, StalledWait, asks_to_evict, fits_a_node, idle_members
+from chorus_tune.tune.rules.placement import Placement
+from chorus_tune.tune.rules.waits import Stall, StalledWait, asks_to_evict, fits_a_node, idle_members
 
 
 class Clock:

@@ -24,7 +24,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from . import metrics as m
+from chorus_tune.tune.observe import metrics as m
 
 FILE_NAME = "chorus_tune_grafana_dashboard.json"
 UID = "chorus-tune-buckets"

@@ -1,1 +1,2 @@
-"""Deciding trials: ``ChorusASHA`` (the Tune adapter) over the Ray-free rung arithmetic of cohort halving."""
+"""A Tune adapter, deciding trials: ``ChorusASHA`` over the Ray-free rung arithmetic of cohort
+halving (``rules/halving.py``)."""

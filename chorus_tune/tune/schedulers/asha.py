@@ -1,7 +1,7 @@
 """ChorusASHA: asynchronous successive halving that sees whole cohorts (docs/design.md D11).
 
-The rung arithmetic lives in :mod:`chorus_tune.tune.schedulers.halving` (no Ray), the
-cohort decision itself in the buckets (:mod:`chorus_tune.tune.execution.members`); this
+The rung arithmetic lives in :mod:`chorus_tune.tune.rules.halving` (no Ray), the
+cohort decision itself in the buckets (:mod:`chorus_tune.tune.rules.members`); this
 module is the Tune plumbing around them.
 """
 from __future__ import annotations
@@ -14,10 +14,10 @@ from ray.tune.experiment import Trial
 from ray.tune.schedulers.async_hyperband import AsyncHyperBandScheduler
 from ray.tune.schedulers.trial_scheduler import TrialScheduler
 
-from .. import result_keys as rk
-from ..execution.options import RungSchedule
-from ..search import run_plan
-from .halving import CONTINUE, STOP, CohortBracket
+from chorus_tune.tune.rules.halving import CONTINUE, STOP, CohortBracket
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values import run_plan
+from chorus_tune.tune.values.options import RungSchedule
 
 if TYPE_CHECKING:
     from ray.tune.execution.tune_controller import TuneController
@@ -38,7 +38,7 @@ class ChorusASHA(AsyncHyperBandScheduler):
     scheduler returns it to Tune, so Tune's view and the bucket's agree, and
     records the score at the rung. A member that reaches a rung alone is held
     there and decided here, against everything recorded at that rung (plain
-    ASHA). See :mod:`chorus_tune.tune.schedulers.halving` for the exact rules.
+    ASHA). See :mod:`chorus_tune.tune.rules.halving` for the exact rules.
 
     Buckets decide only what they can know: with one bracket, ``time_attr``
     ``"training_iteration"`` and ``stop_last_trials=True``. Otherwise every
@@ -113,7 +113,7 @@ class ChorusASHA(AsyncHyperBandScheduler):
                 "are seated together and halved in their bucket.")
         if schedule is not None and chorus:
             # A member that joins with its trial (no ChorusSearch) learns its rungs here.
-            from ..execution.pool import get_pool
+            from chorus_tune.tune.client import get_pool
 
             get_pool(create=True).set_plan.remote(trial.trial_id, schedule)
 
@@ -171,7 +171,7 @@ class ChorusASHA(AsyncHyperBandScheduler):
 
 def _is_chorus(trial: Trial) -> bool:
     try:
-        from ..trial.trainable import ChorusTrainable
+        from chorus_tune.tune.trial.trainable import ChorusTrainable
 
         cls = trial.get_trainable_cls()
         return isinstance(cls, type) and issubclass(cls, ChorusTrainable)

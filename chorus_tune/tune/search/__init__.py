@@ -1,2 +1,2 @@
-"""Choosing trials: ``ChorusSearch`` draws them ahead of Tune and seats whole
-cohorts; the run's plan it gathers for the buckets."""
+"""A Tune adapter, choosing trials: ``ChorusSearch`` draws them ahead of Tune and seats whole
+cohorts (through ``client.py``), and says how the space splits into structures."""

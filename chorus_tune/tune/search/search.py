@@ -1,7 +1,7 @@
 """ChorusSearch: draws trials ahead of Tune and seats them in buckets at once (docs/design.md D10).
 
 Grouping by structure and refilling freed slots live in the pool
-(:mod:`chorus_tune.tune.execution.placement`, no Ray); this module is the Tune plumbing:
+(:mod:`chorus_tune.tune.rules.placement`, no Ray); this module is the Tune plumbing:
 drawing ahead, seating, binding trials to members, id maps, save/restore.
 """
 from __future__ import annotations
@@ -22,9 +22,8 @@ from ray.tune.search import ConcurrencyLimiter, Searcher
 from ray.tune.search.variant_generator import generate_variants
 
 from chorus_tune.config_keys import users_config
-
-from ..execution.resources import bucket_budget, bucket_resources
-from . import run_plan
+from chorus_tune.tune.rules.resources import bucket_budget, bucket_resources
+from chorus_tune.tune.values import run_plan
 
 logger = logging.getLogger(__name__)
 
@@ -259,7 +258,7 @@ class ChorusSearch(ConcurrencyLimiter):
         run_plan.clear()  # ChorusASHA, if it runs, announces its rungs next
         if ray.is_initialized():
             self._size_for_cluster()
-            from ..execution.pool import get_pool
+            from chorus_tune.tune.client import get_pool
 
             # Starts now (a second or two) while Tune sets up the run; not waited
             # for. It may reach the pool after the first seats (an async actor
@@ -278,7 +277,7 @@ class ChorusSearch(ConcurrencyLimiter):
         if not config or self._task_blob is None:
             return
         try:
-            from .space_split import split_of
+            from chorus_tune.tune.search.space_split import split_of
 
             task = cloudpickle.loads(self._task_blob)
             n = num_samples if isinstance(num_samples, int) and 0 < num_samples <= _SPLIT_SAMPLE else _SPLIT_SAMPLE
@@ -295,7 +294,7 @@ class ChorusSearch(ConcurrencyLimiter):
         suggestion = self._suggest(trial_id)
         if isinstance(suggestion, dict):
             # Tune creates this trial next: its token holds its share of the
-            # buckets' cores (chorus_tune.tune.execution.resources).
+            # buckets' cores (chorus_tune.tune.rules.resources).
             run_plan.hand_trial_concurrency(self.max_concurrent)
         return suggestion
 
@@ -424,8 +423,9 @@ class ChorusSearch(ConcurrencyLimiter):
     def _seat(self, drawn: List[Tuple[str, Dict]]) -> None:
         if not self.seating or not drawn:
             return
-        from ..execution.options import member_seed
-        from ..execution.pool import NEED_TASK, call_pool, get_pool
+        from chorus_tune.tune.client import call_pool, get_pool
+        from chorus_tune.tune.values.options import member_seed
+        from chorus_tune.tune.values.protocol import NEED_TASK
 
         seats = []
         for item_id, config in drawn:
@@ -461,9 +461,9 @@ class ChorusSearch(ConcurrencyLimiter):
         member is seated as any other (this search's seed), but placed only
         with the members seated next, so it trains, and meets its rungs, with
         them."""
-        from ..execution.options import member_seed
-        from ..execution.pool import call_pool
-        from ..trial.trainable import task_classes_exist
+        from chorus_tune.tune.client import call_pool
+        from chorus_tune.tune.trial.trainable import task_classes_exist
+        from chorus_tune.tune.values.options import member_seed
 
         if not task_classes_exist():
             # No ChorusTrainable in this process: the run's trainable is a plain
@@ -490,7 +490,7 @@ class ChorusSearch(ConcurrencyLimiter):
     def _learn_from_scout(self) -> bool:
         """Whether the scout's task is known now (asking the pool); once it is,
         seat the scout's member with the first cohort."""
-        from ..execution.pool import call_pool
+        from chorus_tune.tune.client import call_pool
 
         learnt = call_pool("scout_task", self._scout)
         if learnt is None:
@@ -528,7 +528,7 @@ class ChorusSearch(ConcurrencyLimiter):
         candidates = self.unbound
         chosen = None
         if self.seating:
-            from ..execution.pool import call_pool
+            from chorus_tune.tune.client import call_pool
 
             chosen = call_pool("bind", trial_id, candidates)
         if chosen is None:
@@ -543,7 +543,7 @@ class ChorusSearch(ConcurrencyLimiter):
         self._seated_here = True
         if not self.seating:
             return
-        from ..execution.pool import get_pool
+        from chorus_tune.tune.client import get_pool
 
         # Trials Tune created but that have not finished are re-seated with
         # their seeds (a checkpoint one resumes from replaces the seated state).

@@ -20,7 +20,7 @@ from typing import Any, Union
 
 import ray.cloudpickle as cloudpickle
 
-from . import state_io
+from chorus_tune.tune.values import state_io
 
 # Where Tune writes the dict a class trainable's save_checkpoint returns.
 _DICT_FILE = "_dict_checkpoint.pkl"

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from .. import result_keys as rk
+from chorus_tune.tune.values import result_keys as rk
 
 
 class ReadAhead:

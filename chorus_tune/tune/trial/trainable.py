@@ -25,17 +25,17 @@ from ray.tune import Trainable
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from chorus_tune.config_keys import users_config
-
-from ..execution.liveness import current_actor_id
-from ..execution.options import BucketOptions, Join, member_seed
-from ..execution.pool import NEED_TASK, Reservation, call_pool, get_pool, pool_lost, task_id
-from ..execution.regrouping import Moved
-from ..execution.resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
-from ..execution.waits import Evicted, Stall, StalledWait
-from ..observe.actor_log import log_to_actor_stdout
-from ..search import run_plan
-from .checkpoint import write_weights
-from .read_ahead import ReadAhead
+from chorus_tune.tune.actors.liveness import current_actor_id
+from chorus_tune.tune.client import call_pool, get_pool
+from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
+from chorus_tune.tune.rules.regrouping import Moved
+from chorus_tune.tune.rules.resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
+from chorus_tune.tune.rules.waits import Evicted, Stall, StalledWait
+from chorus_tune.tune.trial.checkpoint import write_weights
+from chorus_tune.tune.trial.read_ahead import ReadAhead
+from chorus_tune.tune.values import run_plan
+from chorus_tune.tune.values.options import BucketOptions, Join, member_seed
+from chorus_tune.tune.values.protocol import NEED_TASK, Reservation, pool_lost, task_id
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class ChorusTrainable(Trainable):
 
     Every result carries the member's metrics (``train_loss``, ``val_loss``,
     ``val_accuracy``, ``iteration``) and the ``chorus/*`` fields of
-    :mod:`chorus_tune.tune.result_keys`.
+    :mod:`chorus_tune.tune.values.result_keys`.
 
     In Ray's dashboard a trial actor shows as ``ChorusTrainable(started for
     trial <trial id>)``: Tune names no actor, and Ray captures a repr once,
@@ -169,7 +169,7 @@ class ChorusTrainable(Trainable):
         # Tune rejects an all-zero request, and the work is done by the
         # buckets: the tokens hold the buckets' cores between them under
         # ChorusSearch, and under Tune's default search are sized so Tune runs
-        # about as many trials as there are slots (chorus_tune.tune.execution.resources).
+        # about as many trials as there are slots (chorus_tune.tune.rules.resources).
         token = FALLBACK_TOKEN_CPU
         concurrency = run_plan.take_trial_concurrency()  # a trial ChorusSearch suggested
         if ray.is_initialized():
@@ -292,7 +292,7 @@ class ChorusTrainable(Trainable):
         write_weights(checkpoint_dir, state)
         return {
             "chorus_format": CHECKPOINT_FORMAT,
-            "member": state,  # bytes (chorus_tune.tune.trial.state_io), or None before the first result
+            "member": state,  # bytes (chorus_tune.tune.values.state_io), or None before the first result
             "factory": self._factory_blob,  # what load_model needs to rebuild the user's module
             "config": self._clean(self.config),
             "seed": self._seed,

@@ -24,7 +24,7 @@ import math
 import sys
 from typing import Any, Mapping
 
-from ..execution.options import RungSchedule
+from chorus_tune.tune.values.options import RungSchedule
 
 _announced: RungSchedule | None = None
 _seating_search = False
@@ -63,7 +63,7 @@ def hand_trial_concurrency(concurrency: int) -> None:
     once. Tune creates that trial next, in this thread, and asks its
     trainable for its resources then (``SearchGenerator.create_trial_if_possible``,
     ``TuneController.add_trial``), so the trial's token holds its share of
-    the buckets' cores (:func:`~..execution.resources.trial_token_cpu`)."""
+    the buckets' cores (:func:`~chorus_tune.tune.rules.resources.trial_token_cpu`)."""
     global _trial_concurrency
     _trial_concurrency = concurrency
 

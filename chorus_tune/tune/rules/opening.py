@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .options import BucketOptions
-from .resources import bucket_actor_options
+from chorus_tune.tune.rules.resources import bucket_actor_options
+from chorus_tune.tune.values.options import BucketOptions
 
 
 def new_bucket_options(options: BucketOptions, capacity: int, resources: Mapping[str, float]) -> BucketOptions:

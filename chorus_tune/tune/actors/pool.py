@@ -15,47 +15,43 @@ Buckets are created by the pool, with ``scheduling_strategy="DEFAULT"``: Tune
 captures child actors into the trial's placement group, and a bucket created
 there would die with that trial. On a cluster, Ray puts each bucket where its
 resources are (a GPU on any node); the pool itself lives on the head node
-(:mod:`chorus_tune.tune.execution.cluster`), so losing a worker node never loses it.
+(:mod:`chorus_tune.tune.actors.cluster`), so losing a worker node never loses it.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import threading
-from dataclasses import dataclass
 from typing import Any, Hashable
 
 import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
-from ..observe.actor_log import log_to_actor_stdout
-from .bucket_history import BucketHistory
-from .closing import Watches, compact_after_s, compaction_due, idle_close_s, stays_idle
-from .cluster import node_cpus, pool_scheduling_strategy
-from .grouping import GroupKey, split_from, width_device
-from .leaving import Leaving
-from .members import Plan
-from .opening import actor_options, new_bucket_options
-from .options import BucketOptions, Join, RungSchedule
-from .placement import Placed, Placement, Update
-from .readers import Readers
-from .regrouping import BucketView, Move, plan_regroup
-from .resources import bucket_budget, bucket_resources, shared_threads
-from .run_stops import RunStops
-from .scouts import Scouts
-from .seat_book import SeatBook
-from .sizing import fit_summary, measure_bucket_size
-from .wait_status import what_it_waits_for, word_wait
-from .waits import EVICT_IDLE_S, asks_to_evict
+from chorus_tune.tune.actors.cluster import node_cpus
+from chorus_tune.tune.actors.sizing import fit_summary, measure_bucket_size
+from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
+from chorus_tune.tune.rules.bucket_history import BucketHistory
+from chorus_tune.tune.rules.closing import Watches, compact_after_s, compaction_due, idle_close_s, stays_idle
+from chorus_tune.tune.rules.grouping import GroupKey, split_from, width_device
+from chorus_tune.tune.rules.leaving import Leaving
+from chorus_tune.tune.rules.opening import actor_options, new_bucket_options
+from chorus_tune.tune.rules.placement import Placed, Placement, Update
+from chorus_tune.tune.rules.readers import Readers
+from chorus_tune.tune.rules.regrouping import BucketView, Move, plan_regroup
+from chorus_tune.tune.rules.resources import bucket_budget, bucket_resources, shared_threads
+from chorus_tune.tune.rules.run_stops import RunStops
+from chorus_tune.tune.rules.scouts import Scouts
+from chorus_tune.tune.rules.seat_book import SeatBook
+from chorus_tune.tune.rules.wait_status import what_it_waits_for, word_wait
+from chorus_tune.tune.rules.waits import EVICT_IDLE_S, asks_to_evict
+from chorus_tune.tune.values.options import BucketOptions, Join, RungSchedule
+from chorus_tune.tune.values.plan import Plan
+from chorus_tune.tune.values.protocol import NAMESPACE, NEED_TASK, Reservation, bucket_prefix
 
 logger = logging.getLogger(__name__)
 
-NAMESPACE = "chorus_tune"
-NEED_TASK = "chorus/need-task"
-QUEUED = "chorus/queued"
 _JOB_POLL_S = 2.0
 # How often the pool looks again for sparse buckets to regroup: a member that could not move
 # when a member left (being built, held at a rung, a join still on its way) may move later.
@@ -65,17 +61,6 @@ _DRAIN_POLL_S = 0.2
 UNREAD_AT_NEW_RUN = "unread when a new run started"
 _COMPACT_TRIES = 3  # a compaction the bucket refuses is tried this often in all (its membership was moving)
 _REALIZE_WAIT_S = 5.0  # reserve waits this long for its bucket, then the trial waits in await_placement
-
-
-def pool_name(job_id: str | None = None) -> str:
-    """The pool's actor name for ``job_id`` (default: the calling process's job)."""
-    return f"chorus-pool-{job_id or ray.get_runtime_context().get_job_id()}"
-
-
-def bucket_prefix(job_id: str, generation: int = 0) -> str:
-    """Names of a pool's buckets: ``chorus-bucket-<job>-<n>``, with ``-p<generation>``
-    before ``<n>`` for a pool that replaced a lost one."""
-    return f"chorus-bucket-{job_id}" + (f"-p{generation}" if generation else "")
 
 
 def _next_generation(job_id: str) -> int:
@@ -90,74 +75,6 @@ def _next_generation(job_id: str) -> int:
     except Exception:  # noqa: BLE001 - outside Ray (a local test): the first pool
         return 0
     return generation
-
-
-class PoolLost(RuntimeError):
-    """The pool actor of this run died (docs/design.md "Faults"): what it knew
-    (who reads which member, where) is gone. Its buckets close themselves; a
-    trial that hits this restarts from its checkpoint with a new pool."""
-
-
-def pool_lost(exc: BaseException, waiting_for: str) -> PoolLost:
-    """The error a trial (or the driver) raises when the pool died while it ``waiting_for``."""
-    return PoolLost(
-        f"the chorus pool actor {pool_name()} died ({type(exc).__name__}) while {waiting_for}; its buckets "
-        "close themselves. With FailureConfig(max_failures>=1) Tune restarts the trial from its last "
-        "checkpoint, and a new pool places it in a new bucket.")
-
-
-def call_pool(method: str, *args: Any, timeout_s: float | None = None) -> Any:
-    """``ray.get(pool.<method>.remote(*args))`` from the driver (ChorusSearch):
-    if the pool died, once more on a new pool (made now). Raises
-    :class:`PoolLost` when that fails too."""
-    for attempt in range(2):
-        try:
-            return ray.get(getattr(get_pool(create=True), method).remote(*args), timeout=timeout_s)
-        except RayActorError as exc:
-            if attempt:
-                raise pool_lost(exc, f"the driver called {method}") from exc
-            logger.warning("chorus pool %s died: making a new one", pool_name())
-            _forget_dead_pool()
-
-
-def _forget_dead_pool(wait_s: float = 10.0) -> None:
-    """Wait (at most ``wait_s``) until the dead pool's name is free: Ray
-    releases a dead actor's name soon after it dies, and a new pool needs it."""
-    import time
-
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        pool = get_pool(create=False)
-        if pool is None:
-            return
-        try:
-            ray.get(pool.__ray_ready__.remote(), timeout=1.0)
-            return  # a live pool holds the name (another caller made it first)
-        except RayActorError:
-            time.sleep(0.2)
-        except Exception:  # noqa: BLE001 - busy: alive
-            return
-
-
-def task_id(task_blob: bytes) -> str:
-    return hashlib.sha256(task_blob).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class Reservation:
-    """Where a trial reads its results: its member, that member's seed and plan,
-    and the bucket that holds it (``bucket``/``handle`` are ``None`` while the
-    member waits for a slot: then :meth:`ChorusPool.await_placement`).
-    ``seated``: ChorusSearch seated (and built) the member before the trial
-    existed; otherwise the trial's first request builds it."""
-
-    member: str
-    seed: int
-    plan: Plan
-    bucket: str | None
-    handle: Any
-    seated: bool
-    token: int = 0  # names this reservation when the trial leaves (see ChorusPool.trial_left)
 
 
 class ChorusPool:
@@ -506,7 +423,7 @@ class ChorusPool:
             tid, options, model_name, _ = self.key_info[record.key]
             resources = self._bucket_resources(options)
             fit = self._fit_of(record.key)
-            from .bucket_actor import BucketActor
+            from chorus_tune.tune.actors.bucket_actor import BucketActor
 
             handle = BucketActor.options(**actor_options(name, NAMESPACE, resources)).remote(
                 name, self.blobs[tid], new_bucket_options(options, record.capacity, resources), model_name,
@@ -1149,58 +1066,3 @@ def _preload_torch() -> None:
 
 
 PoolActor = ray.remote(ChorusPool)
-
-
-# ----- driver-side helpers -------------------------------------------------------------------------
-def get_pool(create: bool = False, job_id: str | None = None):
-    """The pool of this job (creating it when ``create``), or ``None``."""
-    name = pool_name(job_id)
-    try:
-        return ray.get_actor(name, namespace=NAMESPACE)
-    except ValueError:
-        if not create:
-            return None
-    return PoolActor.options(
-        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
-        num_cpus=0, scheduling_strategy=pool_scheduling_strategy(), max_restarts=0,
-    ).remote(job_id or ray.get_runtime_context().get_job_id())
-
-
-def retire_trial(trial_id: str, timeout_s: float = 60.0) -> None:
-    """Retire ``trial_id``'s member in its bucket now (e.g. from a scheduler's
-    ``on_trial_result`` when it decides STOP): its slot is freed and the other
-    members go on without it. Idempotent; a no-op for a trial that never joined
-    or when no pool runs. Its last state stays available to a checkpoint at end."""
-    if not ray.is_initialized():
-        return
-    pool = get_pool(create=False)
-    if pool is not None:
-        ray.get(pool.trial_left.remote(trial_id), timeout=timeout_s)
-
-
-def close_idle_buckets(timeout_s: float = 60.0) -> list[str]:
-    """Close this job's idle buckets (no member in their slots) now, instead of
-    their ``idle_close_s`` later, and free what they hold (a GPU): for a script
-    that needs the device right after a sweep. A bucket still closes only once
-    its trials have read every result. Returns their names; ``[]`` when no pool runs."""
-    if not ray.is_initialized():
-        return []
-    pool = get_pool(create=False)
-    return [] if pool is None else ray.get(pool.close_idle.remote(), timeout=timeout_s)
-
-
-def free_slots(structural_key: Hashable) -> int:
-    """Free slots in this run's open buckets of ``structural_key``, a sharing key
-    (``chorus_tune.stack.sharing_key``; 0 when no pool runs)."""
-    if not ray.is_initialized():
-        return 0
-    pool = get_pool(create=False)
-    return 0 if pool is None else ray.get(pool.free_slots.remote(structural_key))
-
-
-def bucket_stats() -> dict[str, dict]:
-    """Per bucket of this run's pool: model, capacity, and the trials it fused."""
-    if not ray.is_initialized():
-        return {}
-    pool = get_pool(create=False)
-    return {} if pool is None else ray.get(pool.stats.remote())

@@ -14,9 +14,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Container, Mapping
 
-from .placement import Placement
-from .resources import bucket_actor_options
-from .waits import fits_a_node
+from chorus_tune.tune.rules.placement import Placement
+from chorus_tune.tune.rules.resources import bucket_actor_options
+from chorus_tune.tune.rules.waits import fits_a_node
 
 HOUSED, BUCKET, COHORT, SLOT, UNKNOWN = "housed", "bucket", "cohort", "slot", "unknown"
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from .options import Join
+from chorus_tune.tune.values.options import Join
 
 
 class SeatBook:

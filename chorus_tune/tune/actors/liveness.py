@@ -14,7 +14,7 @@ import logging
 
 import ray
 
-from .waits import EVICT_IDLE_S
+from chorus_tune.tune.rules.waits import EVICT_IDLE_S
 
 logger = logging.getLogger(__name__)
 

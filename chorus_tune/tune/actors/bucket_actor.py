@@ -1,7 +1,7 @@
 """The bucket actor: runs the sweep for its members; trials read their results.
 
 A thin adapter over two Ray-free pieces: the core :class:`chorus_tune.Bucket`
-(the fused math) and :class:`~chorus_tune.tune.execution.members.MemberBook` (who trains
+(the fused math) and :class:`~chorus_tune.tune.rules.members.MemberBook` (who trains
 next, how far ahead, what each trial reads). One loop trains whoever the book
 allows, as fast as the device goes; every result waits in its member's queue
 with the member's state of that iteration, and :meth:`ChorusBucket.next_result`
@@ -26,17 +26,18 @@ import ray
 import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
-from .. import result_keys as rk
-from ..observe.actor_log import log_to_actor_stdout
-from ..observe.metrics import BucketMetrics
-from ..trial import state_io
-from . import liveness
-from .liveness import ActorId
-from .members import MemberBook, Phase, Plan, StopRecord
-from .options import BucketOptions, Join
-from .regrouping import broken_units, member_view, moved_error
-from .resources import bucket_threads, pick_device
-from .waits import Evicted, idle_members
+from chorus_tune.tune.actors import liveness
+from chorus_tune.tune.actors.liveness import ActorId
+from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
+from chorus_tune.tune.observe.metrics import BucketMetrics
+from chorus_tune.tune.rules.members import MemberBook, Phase, StopRecord
+from chorus_tune.tune.rules.regrouping import broken_units, member_view, moved_error
+from chorus_tune.tune.rules.resources import bucket_threads, pick_device
+from chorus_tune.tune.rules.waits import Evicted, idle_members
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values import state_io
+from chorus_tune.tune.values.options import BucketOptions, Join
+from chorus_tune.tune.values.plan import Plan
 
 logger = logging.getLogger(__name__)
 

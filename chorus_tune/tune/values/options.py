@@ -6,8 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from chorus_tune.seeds import chosen_seed
-
-from .members import Plan
+from chorus_tune.tune.values.plan import Plan
 
 AUTO = "auto"
 DEFAULT_BUCKET_SIZE = 16
@@ -26,7 +25,7 @@ class BucketOptions:
     default, 16 (capped), with no measurement. ``memory_meter``: a callable
     ``device -> MemoryMeter`` used instead of CUDA's allocator statistics (a
     test's fake device, or a meter of your own). ``resources_per_bucket``: see
-    :mod:`chorus_tune.tune.execution.resources` (``None``: one GPU where there are GPUs,
+    :mod:`chorus_tune.tune.rules.resources` (``None``: one GPU where there are GPUs,
     else one CPU). ``route``: ``"auto" | "vmap" | "compiled" | "eager"``.
 
     How far members train ahead of their trials (docs/design.md D4):
@@ -34,7 +33,7 @@ class BucketOptions:
     ASHA, HyperBand, PBT, stoppers), members train on to the run's
     ``stop={"training_iteration": n}`` without waiting for their trials, except
     past the iterations where the bucket has seen Tune stop trials early
-    (:class:`chorus_tune.tune.execution.members.StopRecord`); ``False``: at most
+    (:class:`chorus_tune.tune.rules.members.StopRecord`); ``False``: at most
     ``run_ahead`` beyond the ask everywhere. ``run_ahead``: iterations a member
     may compute beyond what its trial has asked for where nothing else bounds
     it (no ``speculate``, or no cap known); ``0`` is strict lockstep.
@@ -63,7 +62,7 @@ class BucketOptions:
     ``regroup``: when nothing of its key waits, a sparse bucket whose members
     all fit into the free slots of other buckets of their structure on its
     device moves them there and closes (survivors of rungs train together;
-    cohorts never mix: :mod:`chorus_tune.tune.execution.regrouping`).
+    cohorts never mix: :mod:`chorus_tune.tune.rules.regrouping`).
     """
 
     bucket_size: int | str = DEFAULT_BUCKET_SIZE

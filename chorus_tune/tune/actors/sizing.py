@@ -16,9 +16,8 @@ import ray
 import ray.cloudpickle as cloudpickle
 
 from chorus_tune.config_keys import users_config
-
-from .options import BucketOptions
-from .resources import bucket_actor_options, bucket_threads, pick_device
+from chorus_tune.tune.rules.resources import bucket_actor_options, bucket_threads, pick_device
+from chorus_tune.tune.values.options import BucketOptions
 
 if TYPE_CHECKING:  # the pool imports this module, and trial actors the pool's: no torch at import
     from chorus_tune.capacity import CapacityFit

@@ -49,7 +49,7 @@ class Stall:
 def fits_a_node(claimed: dict[str, float], nodes: list[dict[str, float]]) -> bool:
     """Whether one of ``nodes`` (each alive node's total resources) could ever
     hold a bucket that claims ``claimed`` (its actor options' GPUs and custom
-    resources; CPUs are not claimed, see :mod:`chorus_tune.tune.execution.resources`).
+    resources; CPUs are not claimed, see :mod:`chorus_tune.tune.rules.resources`).
     A bucket no node holds waits for good: Ray leaves such an actor pending."""
     wanted = {k: v for k, v in claimed.items() if v > 0}
     return any(all(node.get(k, 0) + 1e-9 >= v for k, v in wanted.items()) for node in nodes)

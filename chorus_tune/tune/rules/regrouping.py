@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Hashable, Iterable, Sequence
 
-from .members import MemberRecord, Phase
+from chorus_tune.tune.rules.members import MemberRecord, Phase
 
 
 class Moved(RuntimeError):

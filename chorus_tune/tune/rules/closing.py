@@ -14,8 +14,8 @@ at once, and a bucket must not shrink under the member that refills it.
 """
 from __future__ import annotations
 
-from .grouping import should_compact
-from .placement import Placement
+from chorus_tune.tune.rules.grouping import should_compact
+from chorus_tune.tune.rules.placement import Placement
 
 
 class Watches:

@@ -1,0 +1,104 @@
+"""The one way the Tune adapters (trial, search, schedulers) and the driver reach
+the pool actor: find or make it, call it with one retry on a new pool, and the
+public helpers (``retire_trial``, ``close_idle_buckets``, ``free_slots``,
+``bucket_stats``). docs/design.md D2."""
+from __future__ import annotations
+
+import logging
+from typing import Any, Hashable
+
+import ray
+from ray.exceptions import RayActorError
+
+from chorus_tune.tune.actors.cluster import pool_scheduling_strategy
+from chorus_tune.tune.actors.pool import PoolActor
+from chorus_tune.tune.values.protocol import NAMESPACE, pool_lost, pool_name
+
+logger = logging.getLogger(__name__)
+
+
+def call_pool(method: str, *args: Any, timeout_s: float | None = None) -> Any:
+    """``ray.get(pool.<method>.remote(*args))`` from the driver (ChorusSearch):
+    if the pool died, once more on a new pool (made now). Raises
+    :class:`PoolLost` when that fails too."""
+    for attempt in range(2):
+        try:
+            return ray.get(getattr(get_pool(create=True), method).remote(*args), timeout=timeout_s)
+        except RayActorError as exc:
+            if attempt:
+                raise pool_lost(exc, f"the driver called {method}") from exc
+            logger.warning("chorus pool %s died: making a new one", pool_name())
+            _forget_dead_pool()
+
+
+def _forget_dead_pool(wait_s: float = 10.0) -> None:
+    """Wait (at most ``wait_s``) until the dead pool's name is free: Ray
+    releases a dead actor's name soon after it dies, and a new pool needs it."""
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        pool = get_pool(create=False)
+        if pool is None:
+            return
+        try:
+            ray.get(pool.__ray_ready__.remote(), timeout=1.0)
+            return  # a live pool holds the name (another caller made it first)
+        except RayActorError:
+            time.sleep(0.2)
+        except Exception:  # noqa: BLE001 - busy: alive
+            return
+
+
+def get_pool(create: bool = False, job_id: str | None = None):
+    """The pool of this job (creating it when ``create``), or ``None``."""
+    name = pool_name(job_id)
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        if not create:
+            return None
+    return PoolActor.options(
+        name=name, namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+        num_cpus=0, scheduling_strategy=pool_scheduling_strategy(), max_restarts=0,
+    ).remote(job_id or ray.get_runtime_context().get_job_id())
+
+
+def retire_trial(trial_id: str, timeout_s: float = 60.0) -> None:
+    """Retire ``trial_id``'s member in its bucket now (e.g. from a scheduler's
+    ``on_trial_result`` when it decides STOP): its slot is freed and the other
+    members go on without it. Idempotent; a no-op for a trial that never joined
+    or when no pool runs. Its last state stays available to a checkpoint at end."""
+    if not ray.is_initialized():
+        return
+    pool = get_pool(create=False)
+    if pool is not None:
+        ray.get(pool.trial_left.remote(trial_id), timeout=timeout_s)
+
+
+def close_idle_buckets(timeout_s: float = 60.0) -> list[str]:
+    """Close this job's idle buckets (no member in their slots) now, instead of
+    their ``idle_close_s`` later, and free what they hold (a GPU): for a script
+    that needs the device right after a sweep. A bucket still closes only once
+    its trials have read every result. Returns their names; ``[]`` when no pool runs."""
+    if not ray.is_initialized():
+        return []
+    pool = get_pool(create=False)
+    return [] if pool is None else ray.get(pool.close_idle.remote(), timeout=timeout_s)
+
+
+def free_slots(structural_key: Hashable) -> int:
+    """Free slots in this run's open buckets of ``structural_key``, a sharing key
+    (``chorus_tune.stack.sharing_key``; 0 when no pool runs)."""
+    if not ray.is_initialized():
+        return 0
+    pool = get_pool(create=False)
+    return 0 if pool is None else ray.get(pool.free_slots.remote(structural_key))
+
+
+def bucket_stats() -> dict[str, dict]:
+    """Per bucket of this run's pool: model, capacity, and the trials it fused."""
+    if not ray.is_initialized():
+        return {}
+    pool = get_pool(create=False)
+    return {} if pool is None else ray.get(pool.stats.remote())
