@@ -69,11 +69,13 @@ def test_by_default_tune_runs_one_trial_per_cpu_and_at_least_the_trials_that_cle
 
 
 def test_members_are_seated_to_clear_an_iteration_on_at_most_the_trials_in_flight_and_in_the_run():
-    assert ChorusSearch(max_concurrent_trials=2)._plan_clear_after() == 2
-    assert ChorusSearch(max_concurrent_trials=16)._plan_clear_after() == 4
+    from chorus_tune.tune.search.search import clear_after
+
+    assert clear_after(2, None) == 2 and clear_after(16, None) == 4
+    assert clear_after(16, 3) == 3  # nor on more trials than the run has
     small = ChorusSearch(max_concurrent_trials=16)
     small.set_search_properties(None, None, {}, num_samples=3)
-    assert small._plan_clear_after() == 3  # nor on more trials than the run has
+    assert clear_after(small.max_concurrent, small._budget) == 3
 
 
 def test_no_more_trials_than_the_limit_run_at_once():
@@ -289,7 +291,7 @@ def _width_trainable():
 def test_a_space_that_splits_into_structures_is_said_as_a_warning_when_the_run_starts(caplog):
     search = ChorusSearch(task=_width_trainable())
     space = {"l1": tune.grid_search([16, 32, 64, 128]), "lr": tune.grid_search([0.1, 0.01])}
-    with caplog.at_level("INFO", logger="chorus_tune.tune.search.search"):
+    with caplog.at_level("INFO", logger="chorus_tune.tune.search.space_split"):
         search.set_search_properties("val_loss", "min", space, num_samples=8)
     (record,) = [r for r in caplog.records if "structures" in r.getMessage()]
     assert record.levelname == "WARNING"
@@ -304,7 +306,7 @@ def test_a_space_of_one_structure_is_said_to_fuse_at_info():
     search = ChorusSearch(task=_width_trainable())
     with pytest.MonkeyPatch.context() as mp:
         logged = []
-        mp.setattr("chorus_tune.tune.search.search.logger.log",
+        mp.setattr("chorus_tune.tune.search.space_split.logger.log",
                    lambda level, fmt, *a: logged.append((level, fmt % a)))
         search.set_search_properties("val_loss", "min", {"l1": 32, "lr": tune.grid_search([0.1, 0.01])},
                                      num_samples=2)

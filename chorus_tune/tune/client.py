@@ -102,3 +102,55 @@ def bucket_stats() -> dict[str, dict]:
         return {}
     pool = get_pool(create=False)
     return {} if pool is None else ray.get(pool.stats.remote())
+
+
+# ----- what ChorusSearch asks of the pool (docs/design.md D10) ------------------------------------
+def seat(seats: list[tuple[str, dict, int]], task_id: str, task_blob: bytes | None, options: Any, plan: Any) -> None:
+    """Seat members ``(member, config, seed)`` in buckets of their structure now.
+    The task's bytes go only when the pool asks for them (a new pool has
+    never seen the task): ``task_blob`` ``None`` then fails, naming the task."""
+    from chorus_tune.tune.values.protocol import NEED_TASK
+
+    if call_pool("seat", seats, task_id, None, options, plan) == NEED_TASK:
+        if task_blob is None:
+            raise RuntimeError(f"the pool lost task {task_id}, whose bytes this driver never had "
+                               "(ChorusSearch learnt it from a scout trial)")
+        call_pool("seat", seats, task_id, task_blob, options, plan)
+
+
+def bind(trial_id: str, candidates: list[str]) -> str | None:
+    """The seated member (of ``candidates``) the pool binds trial ``trial_id`` to, or ``None``."""
+    return call_pool("bind", trial_id, candidates)
+
+
+def bind_again(bindings: dict[str, str]) -> None:
+    """After a restore: bind each trial to its member again; a member whose
+    trial restarted meanwhile and reads a member of its own leaves."""
+    for trial_id, member in bindings.items():
+        if bind(trial_id, [member]) is None:
+            call_pool("leave", member)
+
+
+def bucket_size_for(task_id: str, options: Any, config: dict) -> int:
+    """Slots of a new bucket for members like ``config`` (measured, for ``bucket_size="auto"``)."""
+    return call_pool("bucket_size_for", task_id, options, config)
+
+
+def expect_scout(trial_id: str, seat_: tuple[str, dict, int]) -> None:
+    """Trial ``trial_id`` is a scout: its first step teaches the pool the task; its member is ``seat_``."""
+    call_pool("expect_scout", trial_id, seat_)
+
+
+def scout_task(trial_id: str) -> Any:
+    """``(task id, bucket options)`` the scout taught the pool, or ``None`` while it has not."""
+    return call_pool("scout_task", trial_id)
+
+
+def new_run(seated_by: str) -> None:
+    """A new run starts (not waited for): the pool lets go of what an earlier run seated and no trial read."""
+    get_pool(create=True).new_run.remote(seated_by)
+
+
+def announce_rungs(trial_id: str, schedule: Any) -> None:
+    """ChorusASHA's rungs for trial ``trial_id`` (not waited for)."""
+    get_pool(create=True).set_plan.remote(trial_id, schedule)

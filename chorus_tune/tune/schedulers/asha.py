@@ -113,9 +113,9 @@ class ChorusASHA(AsyncHyperBandScheduler):
                 "are seated together and halved in their bucket.")
         if schedule is not None and chorus:
             # A member that joins with its trial (no ChorusSearch) learns its rungs here.
-            from chorus_tune.tune.client import get_pool
+            from chorus_tune.tune import client
 
-            get_pool(create=True).set_plan.remote(trial.trial_id, schedule)
+            client.announce_rungs(trial.trial_id, schedule)
 
     # -- decisions -----------------------------------------------------------
     def on_trial_result(

@@ -9,21 +9,19 @@ from __future__ import annotations
 import copy
 import logging
 import os
-import pickle
-import tempfile
 import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-import numpy as np
 import ray
-import ray.cloudpickle as cloudpickle
 from ray.tune.search import ConcurrencyLimiter, Searcher
-from ray.tune.search.variant_generator import generate_variants
 
 from chorus_tune.config_keys import users_config
 from chorus_tune.tune.rules.resources import bucket_budget, bucket_resources
 from chorus_tune.tune.values import run_plan
+
+from .persistence import read_state, write_state
+from .sampler import SpaceSampler, grid_size
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +30,6 @@ logger = logging.getLogger(__name__)
 # on unseated, saying so. Measured: a scout's first step reaches the pool 2-5 s
 # after Tune creates it on a loaded 2-core machine.
 SCOUT_TIMEOUT_S = 60.0
-# Configs drawn to say how a space splits into structures (at most; fewer when
-# num_samples is smaller): meta-device builds, about 1 ms each.
-_SPLIT_SAMPLE = 64
 
 
 
@@ -73,57 +68,17 @@ def default_lookahead(fill: int, budget: Optional[int], learns_from_results: boo
     return max(fill, min(budget, SAMPLER_LOOKAHEAD_FACTOR * fill))
 
 
-def grid_size(space: Dict) -> int:
-    """How many points one pass over ``space``'s ``grid_search`` axes has (1 without any)."""
-    return sum(1 for _ in generate_variants({"config": copy.deepcopy(space)},
-                                            random_state=np.random.default_rng(0)))
+def seat_step(cluster: Dict, options: Any, bucket_size: int, max_buckets: Optional[int]) -> int:
+    """Members seated per call at most: every bucket the cluster holds full, and one more for refills."""
+    per_bucket = bucket_resources(options.resources_per_bucket, cluster)
+    return bucket_size * ((max_buckets or bucket_budget(cluster, per_bucket)) + 1)
 
 
-class SpaceSampler(Searcher):
-    """Samples ``param_space`` as Tune's default generator does (grid + random).
-
-    Each pass walks every grid point in Tune's order, drawing the random axes
-    afresh for each point; passes repeat until the search stops asking. Used
-    by ``ChorusSearch`` when it is given no searcher.
-    """
-
-    CKPT_FILE_TMPL = "chorus-sampler-state-{}.pkl"
-
-    def __init__(self, random_state: Optional[int] = None):
-        super().__init__()
-        self._space: Optional[Dict] = None
-        self._rng = np.random.default_rng(random_state)
-        self._pass: List[Dict] = []
-
-    def set_search_properties(
-        self, metric: Optional[str], mode: Optional[str], config: Dict, **spec
-    ) -> bool:
-        self._space = copy.deepcopy(config) if config else None
-        self._pass = []
-        return True
-
-    def suggest(self, trial_id: str) -> Optional[Dict]:
-        if not self._space:
-            return {}
-        if not self._pass:
-            # Materialised per pass (like Tune's own generator below 1e6
-            # variants) so the sampler's state pickles for Tuner.restore.
-            self._pass = [spec["config"] for _, spec in generate_variants(
-                {"config": self._space}, random_state=self._rng)]
-        return self._pass.pop(0)
-
-    def on_trial_complete(
-        self, trial_id: str, result: Optional[Dict] = None, error: bool = False
-    ) -> None:
-        pass  # random and grid sampling learn nothing from results
-
-    def save(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "wb") as f:
-            cloudpickle.dump(self.__dict__, f)
-
-    def restore(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "rb") as f:
-            self.__dict__.update(cloudpickle.load(f))
+def clear_after(in_flight: int, budget: Optional[int]) -> int:
+    """Continues that clear an iteration for speculation (docs/design.md D4): no
+    more than the trials in flight (FIFO would wait for trials to end), nor
+    than the run has trials."""
+    return max(1, min(CLEAR_AFTER, in_flight, budget or CLEAR_AFTER))
 
 
 def _trainable_class(task: Any) -> Any:
@@ -183,14 +138,7 @@ class ChorusSearch(ConcurrencyLimiter):
         max_buckets / bucket_size: default to the trainable's.
         random_state: seed for sampling ``param_space`` (no inner searcher).
 
-    Trial count: with any Searcher, Tune creates ``num_samples`` trials in
-    all (not ``num_samples`` times the grid, as its default generator does).
-    The sampler walks the whole grid, then walks it again with new random
-    draws: set ``num_samples`` to the grid size times the repeats you want.
-    A ``num_samples`` that is not a whole number of passes (Tune's default 1
-    under a grid, say) is refused before any trial starts, naming both.
-    Pass ``TuneConfig(reuse_actors=True)``: a trial actor then serves trial
-    after trial (each new one costs about 1.3 CPU-s of imports).
+    Trial count, and why ``reuse_actors=True``: docs/guide/pruning.md.
     """
 
     def __init__(
@@ -258,37 +206,18 @@ class ChorusSearch(ConcurrencyLimiter):
         run_plan.clear()  # ChorusASHA, if it runs, announces its rungs next
         if ray.is_initialized():
             self._size_for_cluster()
-            from chorus_tune.tune.client import get_pool
+            from chorus_tune.tune import client
 
             # Starts now (a second or two) while Tune sets up the run; not waited
             # for. It may reach the pool after the first seats (an async actor
             # does not keep the order of its calls): it spares this search's members.
-            get_pool(create=True).new_run.remote(self._prefix)
+            client.new_run(self._prefix)
             run_plan.search_seats_cohorts()
-        self._say_how_the_space_splits(config, num_samples)
+        if config and self._task_blob is not None:
+            from .space_split import say_how_it_splits
+
+            say_how_it_splits(self._task_blob, config, num_samples, self.bucket_size)
         return super().set_search_properties(metric, mode, config, **spec)
-
-    def _say_how_the_space_splits(self, config: Dict, num_samples: Any) -> None:
-        """Tell the user, as the run starts, how its trials fall into
-        structures and what splits them (a WARNING when they do not all
-        fuse): a width or batch-size sweep otherwise shows only as
-        ``chorus/live`` 1 afterwards. Read off a sample of the space drawn
-        apart from the run's own (its draws are untouched); never fails the run."""
-        if not config or self._task_blob is None:
-            return
-        try:
-            from chorus_tune.tune.search.space_split import split_of
-
-            task = cloudpickle.loads(self._task_blob)
-            n = num_samples if isinstance(num_samples, int) and 0 < num_samples <= _SPLIT_SAMPLE else _SPLIT_SAMPLE
-            sampler = SpaceSampler(random_state=0)
-            sampler.set_search_properties(None, None, config)
-            split = split_of(task, [sampler.suggest(str(i)) for i in range(n)])
-        except Exception:  # noqa: BLE001 - a report, not a check: the trials say what fails
-            logger.debug("ChorusSearch: could not read how the space splits", exc_info=True)
-            return
-        level = logging.WARNING if split.structures > 1 else logging.INFO
-        logger.log(level, "ChorusSearch: %s", split.message(self.bucket_size))
 
     def suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:
         suggestion = self._suggest(trial_id)
@@ -322,9 +251,7 @@ class ChorusSearch(ConcurrencyLimiter):
         return copy.deepcopy(config)
 
     def on_trial_result(self, trial_id: str, result: Dict) -> None:
-        inner = self._inner_id.get(trial_id)
-        if inner is not None:
-            self.searcher.on_trial_result(inner, result)
+        self._tell_inner("on_trial_result", trial_id, result)
 
     def on_trial_complete(
         self, trial_id: str, result: Optional[Dict] = None, error: bool = False
@@ -342,14 +269,16 @@ class ChorusSearch(ConcurrencyLimiter):
         self.searcher.on_trial_complete(inner, result=result, error=error)
 
     def on_pause(self, trial_id: str) -> None:
-        inner = self._inner_id.get(trial_id)
-        if inner is not None:
-            self.searcher.on_pause(inner)
+        self._tell_inner("on_pause", trial_id)
 
     def on_unpause(self, trial_id: str) -> None:
+        self._tell_inner("on_unpause", trial_id)
+
+    def _tell_inner(self, method: str, trial_id: str, *args: Any) -> None:
+        """The inner searcher hears of a trial under the id it suggested (if it suggested it)."""
         inner = self._inner_id.get(trial_id)
         if inner is not None:
-            self.searcher.on_unpause(inner)
+            getattr(self.searcher, method)(inner, *args)
 
     # -- views ---------------------------------------------------------------
     @property
@@ -368,9 +297,7 @@ class ChorusSearch(ConcurrencyLimiter):
         if not self._concurrency_given:
             self.max_concurrent = _default_concurrency()
         if self._lookahead_given is None and self._options is not None:
-            per_bucket = bucket_resources(self._options.resources_per_bucket, cluster)
-            buckets = self.max_buckets or bucket_budget(cluster, per_bucket)
-            self._seat_step = self.bucket_size * (buckets + 1)  # every bucket full, and one more for refills
+            self._seat_step = seat_step(cluster, self._options, self.bucket_size, self.max_buckets)
             self.lookahead = default_lookahead(self._seat_step, self._budget,
                                                learns_from_results=not self._own_sampler)
 
@@ -411,21 +338,15 @@ class ChorusSearch(ConcurrencyLimiter):
         return item_id, config
 
     def _plan(self):
-        budget = self.max_iterations
-        return self._options.plan(run_plan.announced(), budget=budget, stop_at=self._stop_at,
-                                  stop_criteria=self._stop_criteria, clear_after=self._plan_clear_after())
-
-    def _plan_clear_after(self) -> int:
-        # No more continues than trials in flight (FIFO would wait for trials
-        # to end), nor than the run has trials.
-        return max(1, min(CLEAR_AFTER, self.max_concurrent, self._budget or CLEAR_AFTER))
+        return self._options.plan(run_plan.announced(), budget=self.max_iterations, stop_at=self._stop_at,
+                                  stop_criteria=self._stop_criteria,
+                                  clear_after=clear_after(self.max_concurrent, self._budget))
 
     def _seat(self, drawn: List[Tuple[str, Dict]]) -> None:
         if not self.seating or not drawn:
             return
-        from chorus_tune.tune.client import call_pool, get_pool
+        from chorus_tune.tune import client
         from chorus_tune.tune.values.options import member_seed
-        from chorus_tune.tune.values.protocol import NEED_TASK
 
         seats = []
         for item_id, config in drawn:
@@ -433,21 +354,18 @@ class ChorusSearch(ConcurrencyLimiter):
             # The seed is fixed now, before any trial exists: chorus/seed reports
             # it, and reference.train(task, config, seed) replays the member.
             seats.append((item_id, clean, member_seed(clean, self._seed_name(item_id))))
-        args = [seats, self._task_id, None, self._options, self._plan()]
-        # call_pool: a pool that died is replaced (docs/design.md "Faults"), not the run's end.
-        if call_pool("seat", *args) == NEED_TASK:
-            if self._task_blob is None:
-                raise RuntimeError(f"the pool lost task {self._task_id} that ChorusSearch learnt from its scout")
-            args[2] = self._task_blob
-            call_pool("seat", *args)
+        # A pool that died is replaced (docs/design.md "Faults"), not the run's end.
+        client.seat(seats, self._task_id, self._task_blob, self._options, self._plan())
         if self._options.auto and self._bucket_size_given is None:
-            self._learn_bucket_size(get_pool(create=True), seats[0][1])
+            self._learn_bucket_size(seats[0][1])
 
-    def _learn_bucket_size(self, pool: Any, config: Dict) -> None:
+    def _learn_bucket_size(self, config: Dict) -> None:
+        from chorus_tune.tune import client
+
         # An "auto" size is measured when the first members are seated; look
         # far enough ahead to fill buckets of the size measured, not guessed.
         try:
-            size = ray.get(pool.bucket_size_for.remote(self._task_id, self._options, config))
+            size = client.bucket_size_for(self._task_id, self._options, config)
         except Exception:  # noqa: BLE001 - the seated members carry the error to their trials
             return
         if size != self.bucket_size:
@@ -461,7 +379,7 @@ class ChorusSearch(ConcurrencyLimiter):
         member is seated as any other (this search's seed), but placed only
         with the members seated next, so it trains, and meets its rungs, with
         them."""
-        from chorus_tune.tune.client import call_pool
+        from chorus_tune.tune import client
         from chorus_tune.tune.trial.trainable import task_classes_exist
         from chorus_tune.tune.values.options import member_seed
 
@@ -478,7 +396,7 @@ class ChorusSearch(ConcurrencyLimiter):
         item_id, config = pulled
         clean = users_config(config)
         seat = (item_id, clean, member_seed(clean, self._seed_name(item_id)))
-        call_pool("expect_scout", trial_id, seat)
+        client.expect_scout(trial_id, seat)
         self._scout = trial_id
         self._scout_sent = time.monotonic()
         self._unbound = [(i, c) for i, c in self._unbound if i != item_id]
@@ -490,9 +408,9 @@ class ChorusSearch(ConcurrencyLimiter):
     def _learn_from_scout(self) -> bool:
         """Whether the scout's task is known now (asking the pool); once it is,
         seat the scout's member with the first cohort."""
-        from chorus_tune.tune.client import call_pool
+        from chorus_tune.tune import client
 
-        learnt = call_pool("scout_task", self._scout)
+        learnt = client.scout_task(self._scout)
         if learnt is None:
             if time.monotonic() - self._scout_sent > SCOUT_TIMEOUT_S:
                 self._stop_learning(f"its first trial {self._scout} did not reach a bucket in {SCOUT_TIMEOUT_S:.0f} s")
@@ -528,9 +446,9 @@ class ChorusSearch(ConcurrencyLimiter):
         candidates = self.unbound
         chosen = None
         if self.seating:
-            from chorus_tune.tune.client import call_pool
+            from chorus_tune.tune import client
 
-            chosen = call_pool("bind", trial_id, candidates)
+            chosen = client.bind(trial_id, candidates)
         if chosen is None:
             chosen = candidates[0]
         self._unbound = [(i, c) for i, c in self._unbound if i != chosen]
@@ -543,17 +461,13 @@ class ChorusSearch(ConcurrencyLimiter):
         self._seated_here = True
         if not self.seating:
             return
-        from chorus_tune.tune.client import get_pool
+        from chorus_tune.tune import client
 
         # Trials Tune created but that have not finished are re-seated with
         # their seeds (a checkpoint one resumes from replaces the seated state).
         running = [(item_id, self._configs[item_id]) for item_id in self._inner_id.values()]
         self._seat(running + list(self._unbound) + (self._draw() if draw else []))
-        pool = get_pool(create=True)
-        for trial_id, item_id in self._inner_id.items():
-            if ray.get(pool.bind.remote(trial_id, [item_id])) is None:
-                # Its trial restarted before this ran and reads a member of its own.
-                ray.get(pool.leave.remote(item_id))
+        client.bind_again(dict(self._inner_id))
 
     # -- save / restore ------------------------------------------------------
     _NOT_SAVED = ("searcher", "_seated_here", "_task_blob")
@@ -572,25 +486,7 @@ class ChorusSearch(ConcurrencyLimiter):
 
     def save(self, checkpoint_path: str) -> None:
         """Buffer, id maps and the inner searcher's own state, in one file."""
-        with tempfile.TemporaryDirectory() as tmp:
-            inner_path = os.path.join(tmp, "inner")
-            inner_bytes = None
-            try:
-                self.searcher.save(inner_path)
-                with open(inner_path, "rb") as f:
-                    inner_bytes = f.read()
-            except NotImplementedError:
-                logger.warning("%s cannot save its state", type(self.searcher).__name__)
-        with open(checkpoint_path, "wb") as f:
-            cloudpickle.dump({"chorus": self.get_state(), "inner": inner_bytes}, f)
+        write_state(checkpoint_path, self.get_state(), self.searcher)
 
     def restore(self, checkpoint_path: str) -> None:
-        with open(checkpoint_path, "rb") as f:
-            saved = pickle.load(f)
-        self.set_state(saved["chorus"])
-        if saved["inner"] is not None:
-            with tempfile.TemporaryDirectory() as tmp:
-                inner_path = os.path.join(tmp, "inner")
-                with open(inner_path, "wb") as f:
-                    f.write(saved["inner"])
-                self.searcher.restore(inner_path)
+        self.set_state(read_state(checkpoint_path, self.searcher))

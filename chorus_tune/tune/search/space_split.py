@@ -18,9 +18,12 @@ device, so this costs no memory and no initialisation.
 """
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
+
+import ray.cloudpickle as cloudpickle
 
 from chorus_tune.config_keys import is_tune_key
 from chorus_tune.stack import describe_split, sharing_key
@@ -29,6 +32,8 @@ from chorus_tune.widths import PaddingPrices
 
 # Values of one key tried against the base config: enough to see that a key splits.
 _VALUES_TRIED = 8
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -122,3 +127,29 @@ def _distinct(values: list[Any]) -> list[Any]:
             seen.add(marker)
             out.append(value)
     return out
+
+
+# Configs drawn to say how a space splits into structures (at most; fewer when
+# num_samples is smaller): meta-device builds, about 1 ms each.
+_SPLIT_SAMPLE = 64
+
+
+def say_how_it_splits(task_blob: bytes, config: dict, num_samples: Any, bucket_size: int) -> None:
+    """Tell the user, as the run starts, how its trials fall into structures
+    and what splits them (a WARNING when they do not all fuse): a width or
+    batch-size sweep otherwise shows only as ``chorus/live`` 1 afterwards.
+    Read off a sample of the space drawn apart from the run's own (its draws
+    are untouched); never fails the run."""
+    try:
+        from .sampler import SpaceSampler
+
+        task = cloudpickle.loads(task_blob)
+        n = num_samples if isinstance(num_samples, int) and 0 < num_samples <= _SPLIT_SAMPLE else _SPLIT_SAMPLE
+        sampler = SpaceSampler(random_state=0)
+        sampler.set_search_properties(None, None, config)
+        split = split_of(task, [sampler.suggest(str(i)) for i in range(n)])
+    except Exception:  # noqa: BLE001 - a report, not a check: the trials say what fails
+        logger.debug("ChorusSearch: could not read how the space splits", exc_info=True)
+        return
+    level = logging.WARNING if split.structures > 1 else logging.INFO
+    logger.log(level, "ChorusSearch: %s", split.message(bucket_size))
