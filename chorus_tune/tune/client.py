@@ -154,3 +154,46 @@ def new_run(seated_by: str) -> None:
 def announce_rungs(trial_id: str, schedule: Any) -> None:
     """ChorusASHA's rungs for trial ``trial_id`` (not waited for)."""
     get_pool(create=True).set_plan.remote(trial_id, schedule)
+
+
+# ----- what a ChorusTrainable asks of the pool (docs/design.md D2, D3) -----------------------------
+def reserve(trial_id: str, task_id: str, task_blob: bytes, config: dict, options: Any, actor_id: Any,
+            seed: int) -> Any:
+    """Trial ``trial_id``'s :class:`~chorus_tune.tune.values.protocol.Reservation`: the
+    member it reads and where. The task's bytes go only when the pool asks for them."""
+    from chorus_tune.tune.values.protocol import NEED_TASK
+
+    reply = call_pool("reserve", trial_id, task_id, None, config, options, actor_id, seed)
+    if reply == NEED_TASK:
+        reply = call_pool("reserve", trial_id, task_id, task_blob, config, options, actor_id, seed)
+    return reply
+
+
+def placement(member: str) -> Any:
+    """A Ray reference to ``(bucket name, handle)`` of ``member`` once it has a bucket (not waited for here)."""
+    return get_pool(create=True).await_placement.remote(member)
+
+
+def wait_status(member: str) -> Any:
+    """A Ray reference to what ``member``'s wait for a bucket waits for (``ChorusPool.wait_status``)."""
+    return get_pool(create=True).wait_status.remote(member)
+
+
+def moved_to(member: str, source: str) -> Any:
+    """A Ray reference to ``(bucket name, handle)`` where ``member``, moved out of ``source``, trains now."""
+    return get_pool(create=True).moved_to.remote(member, source)
+
+
+def trial_left(trial_id: str, token: int | None, read: int | None) -> None:
+    """Trial ``trial_id`` leaves its member (not waited for: leaving may wait for
+    the bucket's running iteration). A no-op when no pool runs."""
+    pool = get_pool(create=False)
+    if pool is not None:
+        pool.trial_left.remote(trial_id, token, read)
+
+
+def bucket_failed(name: str, timeout_s: float) -> None:
+    """Tell the pool bucket ``name`` died (waited for at most ``timeout_s``). A no-op when no pool runs."""
+    pool = get_pool(create=False)
+    if pool is not None:
+        ray.get(pool.bucket_failed.remote(name), timeout=timeout_s)

@@ -25,8 +25,9 @@ from ray.tune import Trainable
 from ray.tune.execution.placement_groups import PlacementGroupFactory
 
 from chorus_tune.config_keys import users_config
+from chorus_tune.tune import client
 from chorus_tune.tune.actors.liveness import current_actor_id
-from chorus_tune.tune.client import call_pool, get_pool
+from chorus_tune.tune.client import get_pool
 from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
 from chorus_tune.tune.rules.regrouping import Moved
 from chorus_tune.tune.rules.resources import FALLBACK_TOKEN_CPU, bucket_resources, trial_token_cpu
@@ -35,7 +36,7 @@ from chorus_tune.tune.trial.checkpoint import write_weights
 from chorus_tune.tune.trial.read_ahead import ReadAhead
 from chorus_tune.tune.values import run_plan
 from chorus_tune.tune.values.options import BucketOptions, Join, member_seed
-from chorus_tune.tune.values.protocol import NEED_TASK, Reservation, pool_lost, task_id
+from chorus_tune.tune.values.protocol import Reservation, pool_lost, task_id
 
 logger = logging.getLogger(__name__)
 
@@ -333,11 +334,8 @@ class ChorusTrainable(Trainable):
         trial = self.trial_id
         try:
             seed = member_seed(config, trial)
-            args = (trial, self._task_id, None, config, options, current_actor_id(), seed)
             # A pool that died is made anew: this is a fresh reservation anyway.
-            reply = call_pool("reserve", *args)
-            if reply == NEED_TASK:
-                reply = call_pool("reserve", trial, self._task_id, self._task_blob, *args[3:])
+            reply = client.reserve(trial, self._task_id, self._task_blob, config, options, current_actor_id(), seed)
         except Exception as exc:  # noqa: BLE001 - e.g. the model factory raised for this config
             # Raised from step(), so that Tune reports it as this trial's error.
             self._setup_error = exc
@@ -354,10 +352,9 @@ class ChorusTrainable(Trainable):
         moves, since a slot frees when other members finish; an error naming
         what it waited for once nothing moves for ``result_timeout_s``, at once
         when the bucket can never start, and when the pool dies."""
-        pool = get_pool(create=True)
         what = f"trial {self.trial_id} waited for a bucket for member {self._member}"
         stall = Stall(self.result_timeout_s, what)
-        ref = pool.await_placement.remote(self._member)
+        ref = client.placement(self._member)
         while True:
             try:
                 return ray.get(ref, timeout=_PLACEMENT_POLL_S)
@@ -366,7 +363,7 @@ class ChorusTrainable(Trainable):
             except RayActorError as exc:
                 raise pool_lost(exc, what) from exc
             try:
-                status = ray.get(pool.wait_status.remote(self._member), timeout=_PLACEMENT_POLL_S)
+                status = ray.get(client.wait_status(self._member), timeout=_PLACEMENT_POLL_S)
             except GetTimeoutError:
                 status = {"progress": None, "waits_for": None, "hopeless": False}  # busy: not progress
             except RayActorError as exc:
@@ -393,9 +390,8 @@ class ChorusTrainable(Trainable):
         """Our member moved to another bucket of its structure (regrouping)
         and we read every result the old one held: read on in the new one."""
         try:
-            self._bucket_name, self._bucket = ray.get(
-                get_pool(create=True).moved_to.remote(self._member, self._bucket_name),
-                timeout=self.result_timeout_s)
+            self._bucket_name, self._bucket = ray.get(client.moved_to(self._member, self._bucket_name),
+                                                      timeout=self.result_timeout_s)
         except RayActorError as exc:
             raise pool_lost(exc, f"trial {self.trial_id} asked where member {self._member} moved") from exc
         self._joined = True  # built there from its state: nothing to join with
@@ -415,22 +411,18 @@ class ChorusTrainable(Trainable):
         if member is None:
             return
         try:
-            pool = get_pool(create=False)
-            if pool is not None:
-                # reset_config switches trial_id before this trial leaves.
-                # Not waited for: leaving may wait for the bucket's running
-                # iteration, and Tune would hold this actor's next trial for it.
-                trial, token = getattr(self, "_reserved_for", (member, None))
-                pool.trial_left.remote(trial, token, read)
+            # reset_config switches trial_id before this trial leaves. Not waited
+            # for: leaving may wait for the bucket's running iteration, and Tune
+            # would hold this actor's next trial for it.
+            trial, token = getattr(self, "_reserved_for", (member, None))
+            client.trial_left(trial, token, read)
         except Exception as exc:  # noqa: BLE001 - leaving must never fail a trial
             logger.warning("trial %s: leaving its bucket failed: %s", member, exc)
 
     def _lost_bucket(self, exc: BaseException) -> None:
         name = self._bucket_name
         try:
-            pool = get_pool(create=False)
-            if pool is not None:
-                ray.get(pool.bucket_failed.remote(name), timeout=_LEAVE_TIMEOUT_S)
+            client.bucket_failed(name, _LEAVE_TIMEOUT_S)
         except Exception:  # noqa: BLE001
             pass
         self._member, self._joined, self._seated = None, False, False
