@@ -122,6 +122,11 @@ class Outcome:
     threads: int | None = None  # (c): torch threads per process
     configs_digest: str = ""  # the configs it trained (the same on every way, or the sides differ)
     repeat: int = 0  # 0: a warm-up (discarded)
+    # (b): the buckets this run opened, how many of them opened in a process a closed
+    # bucket left (the pool's spares), and their median seconds from opening to started.
+    buckets: int | None = None
+    buckets_reused: int | None = None
+    bucket_start_s: float | None = None
 
     @property
     def trials_per_min(self) -> float | None:
@@ -493,7 +498,11 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
     wasted = wasted_total(timeline.wasted, stats)
     keys = list(sw.configs[0]) if sw.configs else []
     mean_live, mean_rows = timeline.mean_live()
+    starts = [entry["start_s"] for entry in stats.values() if entry.get("start_s") is not None]
     return Outcome(way, wall, len(results), best, reached, hit, member_epochs=read + wasted, wasted=wasted,
+                   buckets=len(stats) if stats else None,
+                   buckets_reused=sum(1 for entry in stats.values() if entry.get("reused")) if stats else None,
+                   bucket_start_s=statistics.median(starts) if starts else None,
                    mean_live=mean_live, mean_rows=mean_rows, read_ms=timeline.read_ms(),
                    first_result_s=None if timeline.first is None else timeline.first - start,
                    last_result_s=None if timeline.last is None else timeline.last - start,
@@ -728,6 +737,9 @@ def summarise(row: dict, outcomes: dict[str, list[Outcome]]) -> dict:
         mean_rows={w: _median([o.mean_rows for o in outs]) for w, outs in done.items()
                    if way_kind(w) in TUNE_WAYS_CHORUS},
         first_result_s={w: _median([o.first_result_s for o in outs]) for w, outs in done.items()},
+        buckets={w: _median([o.buckets for o in outs]) for w, outs in done.items() if way_kind(w) in TUNE_WAYS_CHORUS},
+        bucket_start_s={w: _median([o.bucket_start_s for o in outs]) for w, outs in done.items()
+                        if way_kind(w) in TUNE_WAYS_CHORUS},
         read_ms={w: _median([o.read_ms for o in outs]) for w, outs in done.items()},
         settle_s={w: max(o.settle_s for o in outs) for w, outs in done.items()},
         unsettled_runs=sum(1 for outs in done.values() for o in outs if not o.settled),
@@ -1014,6 +1026,9 @@ def main() -> None:
               + (f" (wasted {outcome.wasted})" if way_kind(way) in TUNE_WAYS_CHORUS else "")
               + (f"  first result {outcome.first_result_s:.1f} s" if outcome.first_result_s is not None else "")
               + (f"  {outcome.read_ms:.1f} ms per queued result" if outcome.read_ms is not None else "")
+              + (f"  buckets {outcome.buckets} ({outcome.buckets_reused} reused), start-up "
+                 + ("-" if outcome.bucket_start_s is None else f"{outcome.bucket_start_s:.2f} s")
+                 if outcome.buckets is not None else "")
               + f"  settled in {waited:.1f} s" + ("" if settled else " (TIMED OUT: leftovers shared the run)")
               + ("  (hit the time budget)" if outcome.budget_hit else ""), flush=True)
         if repeat == 0:

@@ -101,6 +101,8 @@ WORKLOADS = {
     "synth-mlp2h": (lambda: two_hidden_mlp, synthetic_classification),
     # Issue 41's FIFO width sweep: the same module at 4 widths (GRIDS below).
     "synth-widths": (lambda: two_hidden_mlp, synthetic_classification),
+    # Issue 41's sweep where nothing can fuse: every trial its own batch size (GRIDS below).
+    "synth-solo": (lambda: two_hidden_mlp, synthetic_classification),
 }
 
 # Workloads with a random search space of their own (name: () -> Tune param_space);
@@ -120,11 +122,22 @@ def width_grid() -> dict:
             "weight_decay": tune.grid_search([0.0, 1e-4, 1e-3, 1e-2]), "momentum": 0.9, "seed": 0}
 
 
+def solo_grid() -> dict:
+    """Issue 41's sweep where nothing can fuse: 8 trials, each with a batch size of its
+    own (batch size splits a bucket: members take different steps per epoch), so every
+    trial trains in a one-member bucket. Two-hidden-layer MLP of 64, SGD, seed 0."""
+    from ray import tune
+
+    return {"batch_size": tune.grid_search([32, 40, 48, 56, 64, 80, 96, 128]), "lr": 0.05, "momentum": 0.9,
+            "weight_decay": 1e-4, "seed": 0}
+
+
 # Workloads whose sweep is a grid of their own (name: () -> Tune param_space with
 # grid_search axes): one pass over it is the sweep, whatever --trials says.
 GRIDS = {
     "synth-widths": width_grid,
     "tab-widths": width_grid,
+    "synth-solo": solo_grid,
 }
 
 

@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+import time
 from typing import Any, Hashable
 
 import ray
@@ -431,7 +432,7 @@ class ChorusPool:
             self.handles[name] = handle
             self._send_stops(name)  # a bucket opened mid-run knows the decision points already
             self._share_cores()
-            self.history.opened(name, model_name, record.capacity, record.ever, fit)
+            self.history.opened(name, model_name, record.capacity, record.ever, fit, at=time.monotonic())
             asyncio.get_running_loop().create_task(self._watch_bucket(name, handle))
         members = [p.trial_id for p in group]
         handle = self.handles[name]
@@ -889,7 +890,7 @@ class ChorusPool:
         ``requested_device`` and ``gpu_ids``. Kept in its history, so the stats
         say where a bucket ran after it closed or died with its node."""
         self._events += 1
-        self.history.started(name, where)
+        self.history.started(name, where, at=time.monotonic())
         if name in self.handles:
             self._share_cores()
 

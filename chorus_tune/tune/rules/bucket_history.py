@@ -29,18 +29,26 @@ class BucketHistory:
         awaits each bucket in turn (the pool's stats) may see another open meanwhile."""
         return list(self._entries)
 
-    def opened(self, name: str, model: str, capacity: int, trials: list[str], capacity_fit: dict | None) -> None:
+    def opened(self, name: str, model: str, capacity: int, trials: list[str], capacity_fit: dict | None,
+               at: float | None = None, reused: bool = False) -> None:
         """Bucket ``name`` opens with ``capacity`` slots. ``trials`` is the
         placement's own list of every member the bucket ever held: shared, not
-        copied, so the entry follows members that join later."""
+        copied, so the entry follows members that join later. ``at``: when (a
+        monotonic clock), for its start-up time; ``reused``: it opens in the
+        process of a bucket that closed (the pool's spares)."""
         self._entries[name] = {"model": model, "bucket_size": capacity, "capacity": capacity, "trials": trials,
-                               "closed": False, "reaped": [], "capacity_fit": capacity_fit}
+                               "closed": False, "reaped": [], "capacity_fit": capacity_fit, "reused": reused,
+                               "_opened_at": at}
 
-    def started(self, name: str, where: dict[str, Any]) -> None:
+    def started(self, name: str, where: dict[str, Any], at: float | None = None) -> None:
         """Bucket ``name`` runs: ``where`` holds its ``node_id``, ``device``,
-        ``requested_device`` and ``gpu_ids``."""
+        ``requested_device`` and ``gpu_ids``. With ``at`` (the clock of
+        :meth:`opened`), ``start_s`` is how long it took to start."""
         if name in self._entries:
-            self._entries[name].update(where)
+            entry = self._entries[name]
+            entry.update(where)
+            if at is not None and entry.get("_opened_at") is not None:
+                entry["start_s"] = round(at - entry["_opened_at"], 3)
 
     def has_started(self, name: str) -> bool:
         """Whether bucket ``name`` has said where it runs (until then nobody in it read anything,
@@ -90,7 +98,7 @@ class BucketHistory:
         ``members`` and, when it answered, what ``live`` (its describe()) says
         now. What of ``live`` stays true after it closes is kept."""
         entry = self._entries[name]
-        out = {**entry, "trials": list(entry["trials"]), "reaped": list(entry.get("reaped", [])),
+        out = {**{k: v for k, v in entry.items() if not k.startswith("_")}, "trials": list(entry["trials"]), "reaped": list(entry.get("reaped", [])),
                "members": list(members)}
         if live is not None:
             out.update({k: live[k] for k in LIVE_REPORTED})
