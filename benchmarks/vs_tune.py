@@ -122,10 +122,10 @@ class Outcome:
     threads: int | None = None  # (c): torch threads per process
     configs_digest: str = ""  # the configs it trained (the same on every way, or the sides differ)
     repeat: int = 0  # 0: a warm-up (discarded)
-    # (b): the buckets this run opened, how many of them opened in a process a closed
-    # bucket left (the pool's spares), and their median seconds from opening to started.
+    # (b): the buckets this run opened, how many of them were solo (a member its trial
+    # trained, no bucket actor), and their median seconds from opening to started.
     buckets: int | None = None
-    buckets_reused: int | None = None
+    buckets_solo: int | None = None
     bucket_start_s: float | None = None
 
     @property
@@ -498,10 +498,11 @@ def fit_timed(way: str, trainable, tune_config, sw: Sweep, args) -> Outcome:
     wasted = wasted_total(timeline.wasted, stats)
     keys = list(sw.configs[0]) if sw.configs else []
     mean_live, mean_rows = timeline.mean_live()
-    starts = [entry["start_s"] for entry in stats.values() if entry.get("start_s") is not None]
+    starts = [entry["start_s"] for entry in stats.values()
+              if entry.get("start_s") is not None and not entry.get("solo")]
     return Outcome(way, wall, len(results), best, reached, hit, member_epochs=read + wasted, wasted=wasted,
                    buckets=len(stats) if stats else None,
-                   buckets_reused=sum(1 for entry in stats.values() if entry.get("reused")) if stats else None,
+                   buckets_solo=sum(1 for entry in stats.values() if entry.get("solo")) if stats else None,
                    bucket_start_s=statistics.median(starts) if starts else None,
                    mean_live=mean_live, mean_rows=mean_rows, read_ms=timeline.read_ms(),
                    first_result_s=None if timeline.first is None else timeline.first - start,
@@ -1026,7 +1027,7 @@ def main() -> None:
               + (f" (wasted {outcome.wasted})" if way_kind(way) in TUNE_WAYS_CHORUS else "")
               + (f"  first result {outcome.first_result_s:.1f} s" if outcome.first_result_s is not None else "")
               + (f"  {outcome.read_ms:.1f} ms per queued result" if outcome.read_ms is not None else "")
-              + (f"  buckets {outcome.buckets} ({outcome.buckets_reused} reused), start-up "
+              + (f"  buckets {outcome.buckets} ({outcome.buckets_solo} solo), start-up "
                  + ("-" if outcome.bucket_start_s is None else f"{outcome.bucket_start_s:.2f} s")
                  if outcome.buckets is not None else "")
               + f"  settled in {waited:.1f} s" + ("" if settled else " (TIMED OUT: leftovers shared the run)")

@@ -105,17 +105,22 @@ def bucket_stats() -> dict[str, dict]:
 
 
 # ----- what ChorusSearch asks of the pool (docs/design.md D10) ------------------------------------
-def seat(seats: list[tuple[str, dict, int]], task_id: str, task_blob: bytes | None, options: Any, plan: Any) -> None:
-    """Seat members ``(member, config, seed)`` in buckets of their structure now.
-    The task's bytes go only when the pool asks for them (a new pool has
-    never seen the task): ``task_blob`` ``None`` then fails, naming the task."""
+def seat(seats: list[tuple[str, dict, int]], task_id: str, task_blob: bytes | None, options: Any,
+         plan: Any) -> dict[str, str]:
+    """Seat members ``(member, config, seed)`` in buckets of their structure now:
+    per member, ``"seated"``, ``"queued"``, ``"solo"`` (its trial trains it,
+    rules/solo.py) or ``"failed"``. The task's bytes go only when the pool asks
+    for them (a new pool has never seen the task): ``task_blob`` ``None`` then
+    fails, naming the task."""
     from chorus_tune.tune.values.protocol import NEED_TASK
 
-    if call_pool("seat", seats, task_id, None, options, plan) == NEED_TASK:
+    out = call_pool("seat", seats, task_id, None, options, plan)
+    if out == NEED_TASK:
         if task_blob is None:
             raise RuntimeError(f"the pool lost task {task_id}, whose bytes this driver never had "
                                "(ChorusSearch learnt it from a scout trial)")
-        call_pool("seat", seats, task_id, task_blob, options, plan)
+        out = call_pool("seat", seats, task_id, task_blob, options, plan)
+    return out
 
 
 def bind(trial_id: str, candidates: list[str]) -> str | None:

@@ -45,11 +45,12 @@ from chorus_tune.tune.rules.resources import bucket_budget, bucket_resources, sh
 from chorus_tune.tune.rules.run_stops import RunStops
 from chorus_tune.tune.rules.scouts import Scouts
 from chorus_tune.tune.rules.seat_book import SeatBook
+from chorus_tune.tune.rules.solo import is_solo_key, lone_members, may_train_solo, solo_key
 from chorus_tune.tune.rules.wait_status import what_it_waits_for, word_wait
 from chorus_tune.tune.rules.waits import EVICT_IDLE_S, asks_to_evict
 from chorus_tune.tune.values.options import BucketOptions, Join, RungSchedule
 from chorus_tune.tune.values.plan import Plan
-from chorus_tune.tune.values.protocol import NAMESPACE, NEED_TASK, Reservation, bucket_prefix
+from chorus_tune.tune.values.protocol import NAMESPACE, NEED_TASK, SOLO, Reservation, bucket_prefix
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +120,7 @@ class ChorusPool:
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
         self._width_groups: dict[str, Any] = {}  # device type -> the width_rule.WidthGroups trials are grouped in
         self._prices: dict[str, Any] = {}  # task id -> its widths.PaddingPrices (an input row, once widths differ)
+        self._solo: set[str] = set()  # places in the budget whose member its trial trains (rules/solo.py)
         # ChorusSearch without task= (see ChorusSearch._send_scout): its scout
         # trials, and their members held back for their cohort.
         self.scouts = Scouts(lambda delay_s, callback: asyncio.get_running_loop().call_later(delay_s, callback))
@@ -187,13 +189,14 @@ class ChorusPool:
         now, before any trial reads them: each starts training as soon as it
         has a slot. All are placed before any is built, so members seated
         together train (and reach their rungs) together. Returns, per member,
-        ``"seated"``, ``"queued"`` (every bucket of its key is full) or
+        ``"seated"``, ``"queued"`` (every bucket of its key is full), ``"solo"``
+        (its trial trains it, when its place in the budget is free: rules/solo.py) or
         ``"failed"`` (its model cannot be built: the trial bound to it fails
         with the factory's error); or ``NEED_TASK``."""
         self._start()
         if not self._learn_task(task_id_, task_blob):
             return NEED_TASK
-        out, placements = {}, []
+        out, placements, keyed = {}, [], []
         for member, config, seed in seats:
             if self.scouts.release(member) is not None:
                 # A scout's member: seated now, first, with the cohort it waited for.
@@ -210,9 +213,16 @@ class ChorusPool:
                 self.seats.fail(member, exc)
                 out[member] = "failed"
                 continue
+            keyed.append((member, config, seed, key, size))
+        # Decided over the whole seating, before any is placed: members seated
+        # together are the ones that would share a bucket (rules/solo.py).
+        solo = (lone_members([(m, k) for m, _, _, k, _ in keyed], self._key_in_pool)
+                if may_train_solo(ray.cluster_resources(), options) else set())
+        for member, config, seed, key, size in keyed:
             self.seats.seat(member, Join(config=dict(config), seed=int(seed), plan=plan))
-            placed = self._request(member, key, size)
-            out[member] = "queued" if placed is None else "seated"
+            placed = self._request(member, solo_key(key, member), 1) if member in solo else self._request(
+                member, key, size)
+            out[member] = "solo" if member in solo else "queued" if placed is None else "seated"
             if placed is not None:
                 placements.append(placed)
         # Not awaited: a new bucket actor takes seconds to start (it imports
@@ -220,6 +230,13 @@ class ChorusPool:
         # placement in their own first step, in parallel with it.
         self._realize_all(placements)
         return out
+
+    def _key_in_pool(self, key: GroupKey) -> bool:
+        """Whether a member of ``key`` is seated, waiting or in a bucket already (a solo member's key is its own)."""
+        if self.placement is None:
+            return False
+        return (any(record.key == key for record in self.placement.buckets.values())
+                or self.placement.waiting_for(key) > 0)
 
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
         """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
@@ -302,7 +319,8 @@ class ChorusPool:
             self.clients[member] = client
             if home in self.handles and client is not None:
                 self.handles[home].watch.remote(member, client)
-            return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, token)
+            return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, token,
+                               solo=name in self._solo)
         key = self._key(task_id_, options, config)
         size = await self._bucket_size(key, options, config)
         plan = options.plan(self.plans.get(trial_id))
@@ -334,7 +352,7 @@ class ChorusPool:
                 raise RuntimeError(f"member {member} is neither placed nor waiting for a bucket")
             future = self._waiting.setdefault(member, asyncio.get_running_loop().create_future())
             name = await future
-        return name, self.handles[name]
+        return name, SOLO if name in self._solo else self.handles[name]
 
     def _request(self, member: str, key: GroupKey, size: int) -> Placed | None:
         """The placement's answer for ``member``; an empty bucket of another key
@@ -419,6 +437,9 @@ class ChorusPool:
         and two of a cohort of eight seated together trained an iteration
         before the other six arrived (a cohort must reach its rungs together)."""
         name = group[0].bucket
+        if is_solo_key(self.placement.buckets[name].key):
+            self._realize_solo(group[0])
+            return
         if any(p.opened for p in group) or name not in self.handles:
             record = self.placement.buckets[name]
             tid, options, model_name, _ = self.key_info[record.key]
@@ -455,6 +476,24 @@ class ChorusPool:
             future = self._waiting.pop(member, None)
             if future is not None and not future.done():
                 future.set_result(name)
+
+    def _realize_solo(self, placed: Placed) -> None:
+        """A solo member's place in the budget is its home: no actor starts;
+        its trial trains it (rules/solo.py)."""
+        name, member = placed.bucket, placed.trial_id
+        if placed.opened:
+            record = self.placement.buckets[name]
+            self._solo.add(name)
+            now = time.monotonic()
+            self.history.opened(name, record.key.model_name, 1, record.ever, None,
+                                at=now, solo=True)
+            self.history.started(name, {"node_id": None, "device": "cpu", "requested_device": "cpu",
+                                        "gpu_ids": []}, at=now)
+        self.seats.house(member, name)
+        self._events += 1
+        future = self._waiting.pop(member, None)
+        if future is not None and not future.done():
+            future.set_result(name)
 
     @staticmethod
     def _model_name(task, config: dict) -> str:
@@ -826,6 +865,9 @@ class ChorusPool:
         delay_s = idle_close_s(self.placement, name)
         if delay_s is None:
             return
+        if name in self._solo:
+            delay_s = 0.0  # a solo member's place takes no other member
+
         await asyncio.sleep(delay_s)
         if not self._idle.start(name):
             return

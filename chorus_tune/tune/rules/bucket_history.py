@@ -30,14 +30,14 @@ class BucketHistory:
         return list(self._entries)
 
     def opened(self, name: str, model: str, capacity: int, trials: list[str], capacity_fit: dict | None,
-               at: float | None = None, reused: bool = False) -> None:
+               at: float | None = None, solo: bool = False) -> None:
         """Bucket ``name`` opens with ``capacity`` slots. ``trials`` is the
         placement's own list of every member the bucket ever held: shared, not
         copied, so the entry follows members that join later. ``at``: when (a
-        monotonic clock), for its start-up time; ``reused``: it opens in the
-        process of a bucket that closed (the pool's spares)."""
+        monotonic clock), for its start-up time; ``solo``: no bucket actor, but
+        a place in the budget whose one member its trial trains (rules/solo.py)."""
         self._entries[name] = {"model": model, "bucket_size": capacity, "capacity": capacity, "trials": trials,
-                               "closed": False, "reaped": [], "capacity_fit": capacity_fit, "reused": reused,
+                               "closed": False, "reaped": [], "capacity_fit": capacity_fit, "solo": solo,
                                "_opened_at": at}
 
     def started(self, name: str, where: dict[str, Any], at: float | None = None) -> None:
@@ -98,7 +98,8 @@ class BucketHistory:
         ``members`` and, when it answered, what ``live`` (its describe()) says
         now. What of ``live`` stays true after it closes is kept."""
         entry = self._entries[name]
-        out = {**{k: v for k, v in entry.items() if not k.startswith("_")}, "trials": list(entry["trials"]), "reaped": list(entry.get("reaped", [])),
+        public = {k: v for k, v in entry.items() if not k.startswith("_")}  # _opened_at: the pool's clock
+        out = {**public, "trials": list(entry["trials"]), "reaped": list(entry.get("reaped", [])),
                "members": list(members)}
         if live is not None:
             out.update({k: live[k] for k in LIVE_REPORTED})

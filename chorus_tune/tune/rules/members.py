@@ -472,7 +472,7 @@ class MemberBook:
         for member in outputs:
             record = self._get(member)
             budget = record.plan.budget
-            if record.phase is Phase.TRAINING and _meets_stop_criteria(record.plan, record.queue[-1].result):
+            if record.phase is Phase.TRAINING and meets_stop_criteria(record.plan, record.queue[-1].result):
                 # Tune stops the trial at this result: nothing past it is read.
                 record.queue[-1].result["done"] = True
                 freed.append(self._finish(record))
@@ -581,7 +581,7 @@ class MemberBook:
         return record
 
 
-def _meets_stop_criteria(plan: Plan, result: dict[str, Any]) -> bool:
+def meets_stop_criteria(plan: Plan, result: dict[str, Any]) -> bool:
     """Tune's ``Trial.should_stop`` for the criteria a member's result carries."""
     for key, value in plan.stop_criteria:
         got = result.get(key)

@@ -188,6 +188,7 @@ class ChorusSearch(ConcurrencyLimiter):
         self._stop_at: Optional[int] = None
         self._stop_criteria: Tuple[Tuple[str, float], ...] = ()
         self._unbound: List[Tuple[str, Dict]] = []  # seated (or held) suggestions, oldest first
+        self._solo: set = set()  # seated suggestions whose trial trains its member itself (rules/solo.py)
         self._inner_id: Dict[str, str] = {}    # Tune trial id -> inner id (= member id)
         self._configs: Dict[str, Dict] = {}    # inner id -> config, while its trial runs
         self._seated_here = False  # members of _unbound/_inner_id are seated in this driver's pool
@@ -224,7 +225,7 @@ class ChorusSearch(ConcurrencyLimiter):
         if isinstance(suggestion, dict):
             # Tune creates this trial next: its token holds its share of the
             # buckets' cores (chorus_tune.tune.rules.resources).
-            run_plan.hand_trial_concurrency(self.max_concurrent)
+            run_plan.hand_trial_concurrency(self.max_concurrent, solo=self._inner_id.get(trial_id) in self._solo)
         return suggestion
 
     def _suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:
@@ -355,7 +356,9 @@ class ChorusSearch(ConcurrencyLimiter):
             # it, and reference.train(task, config, seed) replays the member.
             seats.append((item_id, clean, member_seed(clean, self._seed_name(item_id))))
         # A pool that died is replaced (docs/design.md "Faults"), not the run's end.
-        client.seat(seats, self._task_id, self._task_blob, self._options, self._plan())
+        statuses = client.seat(seats, self._task_id, self._task_blob, self._options, self._plan())
+        if isinstance(statuses, dict):
+            self._solo.update(item for item, status in statuses.items() if status == "solo")
         if self._options.auto and self._bucket_size_given is None:
             self._learn_bucket_size(seats[0][1])
 

@@ -34,9 +34,10 @@ from chorus_tune.tune.rules.resources import FALLBACK_TOKEN_CPU, bucket_resource
 from chorus_tune.tune.rules.waits import Evicted, Stall, StalledWait
 from chorus_tune.tune.trial.checkpoint import write_weights
 from chorus_tune.tune.trial.read_ahead import ReadAhead
+from chorus_tune.tune.trial.solo_run import SoloRun
 from chorus_tune.tune.values import run_plan
 from chorus_tune.tune.values.options import BucketOptions, Join, member_seed
-from chorus_tune.tune.values.protocol import Reservation, pool_lost, task_id
+from chorus_tune.tune.values.protocol import SOLO, Reservation, pool_lost, task_id
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class ChorusTrainable(Trainable):
     ``resources_per_bucket``, ``route``, ``run_ahead``, ``speculate``, ``max_iterations``,
     ``ahead_memory_mb``, ``gather_s``, ``result_timeout_s``,
     ``reap_interval_s``, ``idle_close_s``, ``max_buckets``, ``compact``,
-    ``compact_after_s``, ``regroup``, ``max_bucket_size``, ``memory_fraction``,
+    ``compact_after_s``, ``regroup``, ``max_bucket_size``, ``memory_fraction``, ``solo``,
     ``memory_meter`` (``bucket_size="auto"``: see :class:`BucketOptions`).
 
     Every result carries the member's metrics (``train_loss``, ``val_loss``,
@@ -125,6 +126,7 @@ class ChorusTrainable(Trainable):
     regroup: bool = BucketOptions.regroup
     max_bucket_size: int | None = BucketOptions.max_bucket_size
     memory_fraction: float = BucketOptions.memory_fraction
+    solo: bool = BucketOptions.solo
     memory_meter: Any = None
 
     # False: one call to the bucket per result, as before results were fetched
@@ -173,12 +175,18 @@ class ChorusTrainable(Trainable):
         # about as many trials as there are slots (chorus_tune.tune.rules.resources).
         token = FALLBACK_TOKEN_CPU
         concurrency = run_plan.take_trial_concurrency()  # a trial ChorusSearch suggested
+        solo = run_plan.take_trial_solo()
         if ray.is_initialized():
             _start_pool_early()
             cluster = ray.cluster_resources()
             per_bucket = bucket_resources(cls.resources_per_bucket, cluster)
             size = cls.bucket_options().expected_size
-            if concurrency is not None:
+            if solo:
+                # It trains its member itself (rules/solo.py): one bucket's cores, as
+                # plain Tune's trial holds its CPU, so Tune runs no more of them at
+                # once than the cores train (and no more processes load torch).
+                token = float(per_bucket.get("CPU", 1.0))
+            elif concurrency is not None:
                 # The trials ChorusSearch runs at once hold the buckets' cores
                 # (the open buckets share every core where there is no GPU
                 # and the resources are the default: the pool's _share_cores).
@@ -215,6 +223,7 @@ class ChorusTrainable(Trainable):
         self._seed: int | None = None
         self._setup_error: BaseException | None = None
         self._reads = ReadAhead()  # results fetched from the bucket that Tune has yet to get
+        self._solo_run: SoloRun | None = None  # the member this trial trains itself (rules/solo.py)
         # The member is reserved at the first step, not here: Tune may create
         # an actor for a trial, then hand the trial to a cached actor and stop
         # this one unused (TuneController._maybe_reuse_cached_actor). Reserving
@@ -241,6 +250,8 @@ class ChorusTrainable(Trainable):
             # Waiting for a slot: wait here, where Tune expects a trial to take its time.
             self._bucket_name, self._bucket = self._await_placement()
             self._announce()
+        if self._trains_solo:
+            return self._solo_step()
         join = None
         if not self._joined and not self._seated:
             join = Join(config=self._clean(self.config), seed=self._seed, state=self._pending_state,
@@ -273,7 +284,9 @@ class ChorusTrainable(Trainable):
 
     def save_checkpoint(self, checkpoint_dir: str) -> dict:
         state = self._pending_state
-        if self._joined:
+        if self._joined and self._trains_solo:
+            state = self._solo_run.state()
+        elif self._joined:
             try:
                 # The state of the iteration Tune read last, not of the last one fetched.
                 try:
@@ -343,9 +356,24 @@ class ChorusTrainable(Trainable):
         assert isinstance(reply, Reservation)
         self._member, self._seed, self._plan, self._seated = reply.member, reply.seed, reply.plan, reply.seated
         self._reserved_for = (trial, reply.token)  # reset_config switches trial_id before this trial leaves
-        self._bucket_name, self._bucket = reply.bucket, reply.handle
+        self._bucket_name, self._bucket = reply.bucket, SOLO if reply.solo else reply.handle
         if self._bucket is not None:
             self._announce()
+
+    @property
+    def _trains_solo(self) -> bool:
+        # The pool's marker in place of a bucket's handle (a handle is never a str).
+        return isinstance(self._bucket, str) and self._bucket == SOLO
+
+    def _solo_step(self) -> dict:
+        """Train this trial's member here, one iteration (rules/solo.py says when)."""
+        if self._solo_run is None:
+            self._solo_run = SoloRun(self._task_blob, self._task_id, self._member, self._bucket_name,
+                                     self._clean(self.config), self._seed, self._pending_state, self._plan)
+            self._joined, self._pending_state = True, None
+        result = self._solo_run.step()
+        self._reads.fill([result])
+        return self._reads.take()
 
     def _await_placement(self) -> tuple[str, Any]:
         """Wait for this trial's member to get a bucket: as long as the sweep
@@ -406,6 +434,7 @@ class ChorusTrainable(Trainable):
         # Results fetched and not yet returned are dropped: Tune stopped the
         # trial, or it takes another member (reset_config, load_checkpoint).
         read = self._reads.drop()
+        self._solo_run = None
         member, self._member = self._member, None
         self._joined, self._seated = False, False
         if member is None:

@@ -63,6 +63,11 @@ class BucketOptions:
     all fit into the free slots of other buckets of their structure on its
     device moves them there and closes (survivors of rungs train together;
     cohorts never mix: :mod:`chorus_tune.tune.rules.regrouping`).
+    ``solo``: where buckets share the machine's cores (no GPU, default
+    ``resources_per_bucket``), a member that ChorusSearch seats with no other
+    member of its structure beside it trains in its trial's own process, as
+    plain Tune would train it, instead of in a bucket of its own
+    (:mod:`chorus_tune.tune.rules.solo`); ``False``: it opens a bucket.
     """
 
     bucket_size: int | str = DEFAULT_BUCKET_SIZE
@@ -82,6 +87,7 @@ class BucketOptions:
     regroup: bool = True
     max_bucket_size: int | None = None
     memory_fraction: float = 0.8
+    solo: bool = True
     memory_meter: Callable[[Any], Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:

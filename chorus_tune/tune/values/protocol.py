@@ -15,6 +15,9 @@ from chorus_tune.tune.values.plan import Plan
 NAMESPACE = "chorus_tune"
 NEED_TASK = "chorus/need-task"
 QUEUED = "chorus/queued"
+# In place of a bucket's handle: the member trains in its trial's own process
+# (chorus_tune.tune.rules.solo), where no bucket actor holds it.
+SOLO = "chorus/solo"
 
 
 def pool_name(job_id: str | None = None) -> str:
@@ -52,7 +55,9 @@ class Reservation:
     and the bucket that holds it (``bucket``/``handle`` are ``None`` while the
     member waits for a slot: then :meth:`ChorusPool.await_placement`).
     ``seated``: ChorusSearch seated (and built) the member before the trial
-    existed; otherwise the trial's first request builds it."""
+    existed; otherwise the trial's first request builds it. ``solo``: the
+    trial trains the member itself (``bucket`` names its place in the pool's
+    budget; ``handle`` is ``None``)."""
 
     member: str
     seed: int
@@ -61,3 +66,4 @@ class Reservation:
     handle: Any
     seated: bool
     token: int = 0  # names this reservation when the trial leaves (see ChorusPool.trial_left)
+    solo: bool = False

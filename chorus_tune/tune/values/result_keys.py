@@ -25,6 +25,7 @@ COHORT_RANK = "chorus/cohort_rank"  # at a rung: this member's rank in its cohor
 COHORT = "chorus/cohort"  # at a rung, for members moved in from another bucket: the cohort token they carry
 RETIRED = "chorus/retired"  # the member trains no more and this trial asked beyond its last result
 ROUTE_REASON = "chorus/route_reason"  # why the bucket runs its route: a chorus_tune.route.RouteReason value
+SOLO = "chorus/solo"  # True: the trial trained its member itself, no other member beside it (rules/solo.py)
 
 HELD = "HELD"
 
@@ -51,4 +52,5 @@ ALL = (
     COHORT,
     RETIRED,
     ROUTE_REASON,
+    SOLO,
 )

@@ -29,6 +29,7 @@ from chorus_tune.tune.values.options import RungSchedule
 _announced: RungSchedule | None = None
 _seating_search = False
 _trial_concurrency: int | None = None
+_trial_solo = False
 
 
 def clear() -> None:
@@ -58,14 +59,16 @@ def take_seating_search() -> bool:
     return seating
 
 
-def hand_trial_concurrency(concurrency: int) -> None:
+def hand_trial_concurrency(concurrency: int, solo: bool = False) -> None:
     """Called by ChorusSearch as it hands Tune a trial: the trials it runs at
     once. Tune creates that trial next, in this thread, and asks its
     trainable for its resources then (``SearchGenerator.create_trial_if_possible``,
     ``TuneController.add_trial``), so the trial's token holds its share of
-    the buckets' cores (:func:`~chorus_tune.tune.rules.resources.trial_token_cpu`)."""
-    global _trial_concurrency
-    _trial_concurrency = concurrency
+    the buckets' cores (:func:`~chorus_tune.tune.rules.resources.trial_token_cpu`).
+    ``solo``: the trial trains its member itself (rules/solo.py), so it holds
+    one bucket's cores, as a plain Tune trial holds its CPU."""
+    global _trial_concurrency, _trial_solo
+    _trial_concurrency, _trial_solo = concurrency, solo
 
 
 def take_trial_concurrency() -> int | None:
@@ -74,6 +77,13 @@ def take_trial_concurrency() -> int | None:
     global _trial_concurrency
     concurrency, _trial_concurrency = _trial_concurrency, None
     return concurrency
+
+
+def take_trial_solo() -> bool:
+    """Whether the trial :func:`hand_trial_concurrency` handed trains solo, once."""
+    global _trial_solo
+    solo, _trial_solo = _trial_solo, False
+    return solo
 
 
 def stop_terms(stop: Any) -> tuple[int | None, tuple[tuple[str, float], ...]]:

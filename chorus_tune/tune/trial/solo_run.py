@@ -1,0 +1,76 @@
+"""A member trained in its trial's own process (docs/design.md D2; who trains solo: rules/solo.py).
+
+The trial trains it one iteration per ``step``, as plain Tune trains a
+trial: no bucket actor, no call per result, nothing trained ahead, so
+nothing is wasted and Tune makes every decision. It trains with the core's
+:class:`~chorus_tune.Bucket` of one slot on the eager route (the route a
+bucket takes for a lone member), so its results, its seed and its member
+state are those a bucket would give: a checkpoint restores into a bucket,
+and a bucket's into a solo run.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from chorus_tune.tune.rules.members import meets_stop_criteria
+from chorus_tune.tune.values import result_keys as rk
+from chorus_tune.tune.values import state_io
+from chorus_tune.tune.values.plan import Plan
+
+# Task id -> the task, unpickled once per process: an actor Tune reuses for
+# later trials keeps its data loaded (Task caches it), as plain Tune's does.
+_TASKS: dict[str, Any] = {}
+# One core: a solo member holds one bucket of the budget, and on a CPU
+# machine the default budget is one bucket per core (rules/resources.py).
+_THREADS = 1
+
+
+def _task(task_blob: bytes, task_id: str) -> Any:
+    task = _TASKS.get(task_id)
+    if task is None:
+        import ray.cloudpickle as cloudpickle
+
+        task = _TASKS[task_id] = cloudpickle.loads(task_blob)
+    return task
+
+
+class SoloRun:
+    """One member, trained in this process on the CPU: :meth:`step` trains an
+    iteration and returns its result (with the ``chorus/*`` keys a bucket
+    gives, ``chorus/solo`` True); :meth:`state` is its member state, as a
+    bucket's ``save`` gives it."""
+
+    def __init__(self, task_blob: bytes, task_id: str, member: str, place: str, config: dict, seed: int,
+                 state: bytes | None = None, plan: Plan | None = None):
+        import torch
+
+        from chorus_tune.bucket import Bucket
+
+        torch.set_num_threads(_THREADS)
+        self.member, self.place, self.seed = member, place, seed
+        self.plan = plan or Plan()
+        self.core = Bucket(_task(task_blob, task_id), 1, device="cpu", route="eager")
+        if state is None:
+            self.slot = self.core.add(dict(config), seed)
+        else:
+            self.slot = self.core.restore(state_io.loads(state), dict(config))
+        self.iterations = 0
+
+    def step(self) -> dict[str, Any]:
+        metrics = self.core.run_iteration([self.slot])[self.slot]
+        self.iterations += 1
+        result = {**{k: v for k, v in metrics.items() if k not in ("route", "seed")},
+                  rk.MEMBER: self.member, rk.BUCKET: self.place, rk.SLOT: self.slot,
+                  rk.BUCKET_ITERATION: self.iterations, rk.ROUTE: metrics.get("route", self.core.route),
+                  rk.ROUTE_REASON: self.core.route_reason.value, rk.LIVE: 1, rk.ROWS: 1, rk.CAPACITY: 1,
+                  rk.SEED: metrics.get("seed", self.seed), rk.COMPACTIONS: 0,
+                  rk.OOM_RECOVERIES: self.core.oom_recoveries, rk.AHEAD: 0, rk.WASTED: 0, rk.SOLO: True}
+        # What a bucket marks done (rules/members.py): its plan's budget, or a stop criterion met.
+        budget = self.plan.budget
+        if meets_stop_criteria(self.plan, result) or (budget is not None and result.get(rk.ITERATION, 0) >= budget):
+            result["done"] = True
+        return result
+
+    def state(self) -> bytes:
+        """The member's state after its last iteration, serialised as a bucket's ``save`` serialises it."""
+        return state_io.dumps(self.core.member_state(self.slot))

@@ -1,0 +1,80 @@
+"""Solo members inside real Tune runs (chorus_tune.tune.rules.solo): where nothing fuses, each
+trial trains its member itself, as plain Tune would, with no bucket actor; results, seeds and
+checkpoints are those a bucket would give."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+import ray
+import ray.cloudpickle
+from ray import tune
+
+sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from chorus_tune import reference  # noqa: E402
+from chorus_tune.tune import ChorusTrainable, load_model  # noqa: E402
+from chorus_tune.tune.client import bucket_stats  # noqa: E402
+from chorus_tune.tune.search.search import ChorusSearch  # noqa: E402
+from chorus_tune.tune.values import result_keys as rk  # noqa: E402
+
+from tune_support import digits_task, history, run_config  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("local_ray")
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+ITERATIONS = 3
+
+
+def _sweep(tmp_path, space, trials, **options):
+    task = digits_task()
+    trainable = ChorusTrainable.for_task(task, bucket_size=4, **options)
+    before = set(bucket_stats())
+    results = tune.Tuner(
+        trainable, param_space=space,
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", reuse_actors=True, num_samples=trials,
+                                    search_alg=ChorusSearch(task=trainable, random_state=0)),
+        run_config=run_config(tmp_path, ITERATIONS),
+    ).fit()
+    assert not results.errors
+    stats = {name: entry for name, entry in bucket_stats().items() if name not in before}
+    return task, results, stats
+
+
+# Every trial its own batch size: nothing can fuse.
+APART = {"batch_size": tune.grid_search([16, 32, 64]), "lr": 0.05, "momentum": 0.5}
+
+
+def test_where_nothing_fuses_every_trial_trains_its_member_itself_as_the_reference_does(tmp_path):
+    task, results, stats = _sweep(tmp_path, APART, 3)
+    assert len(results) == 3
+    for result in results:
+        frame = result.metrics_dataframe
+        assert frame[rk.SOLO].all() and (frame[rk.LIVE] == 1).all()
+        ref, _ = reference.train(task, dict(result.config), result.metrics[rk.SEED], ITERATIONS)
+        assert history(result) == pytest.approx([h["val_loss"] for h in ref], rel=1e-5, abs=1e-6)
+    # No bucket actor: each solo member only held a place in the budget.
+    assert len(stats) == 3 and all(entry["solo"] and entry["closed"] for entry in stats.values())
+
+
+def test_a_solo_trials_checkpoint_loads_its_own_model(tmp_path):
+    task, results, _ = _sweep(tmp_path, {"batch_size": tune.grid_search([16, 32]), "lr": 0.05}, 2)
+    for result in results:
+        _, model = reference.train(task, dict(result.config), result.metrics[rk.SEED], ITERATIONS)
+        loaded = load_model(result.checkpoint)
+        for got, want in zip(loaded.state_dict().values(), model.state_dict().values()):
+            assert got.shape == want.shape
+            assert (got - want).abs().max().item() < 1e-5
+
+
+def test_with_solo_off_every_trial_opens_a_bucket(tmp_path):
+    _, results, stats = _sweep(tmp_path, APART, 3, solo=False)
+    assert not any(result.metrics.get(rk.SOLO) for result in results)
+    assert len(stats) == 3 and not any(entry["solo"] for entry in stats.values())
+
+
+def test_members_of_one_structure_seated_together_share_a_bucket_not_solo(tmp_path):
+    space = {"batch_size": tune.grid_search([16, 32]), "lr": tune.grid_search([0.02, 0.05])}
+    _, results, stats = _sweep(tmp_path, space, 4)
+    assert not any(result.metrics.get(rk.SOLO) for result in results)
+    assert {result.metrics[rk.LIVE] for result in results} == {2}
+    assert len(stats) == 2 and not any(entry["solo"] for entry in stats.values())
