@@ -14,7 +14,20 @@ def opened(trials=None):
 def test_an_opened_bucket_reports_its_model_size_and_trials():
     report = opened().report("b1", ["t1"])
     assert report == {"model": "MLP", "bucket_size": 4, "capacity": 4, "trials": ["t1"], "closed": False,
-                      "reaped": [], "capacity_fit": None, "members": ["t1"]}
+                      "reaped": [], "capacity_fit": None, "solo": False, "members": ["t1"]}
+
+
+def test_a_bucket_reports_how_long_it_took_to_start():
+    history = BucketHistory()
+    history.opened("b1", "MLP", 4, ["t1"], capacity_fit=None, at=10.0)
+    history.started("b1", {"node_id": "n1"}, at=12.5)
+    assert history.report("b1", ["t1"])["start_s"] == 2.5
+
+
+def test_a_solo_place_reports_itself_solo():
+    history = BucketHistory()
+    history.opened("b1", "MLP", 1, ["t1"], capacity_fit=None, solo=True)
+    assert history.report("b1", [])["solo"] is True
 
 
 def test_the_trials_follow_members_that_join_after_the_opening():

@@ -122,6 +122,9 @@ def test_tuner_restore_reseats_members_and_every_trial_follows_its_reference(tmp
 
 
 def _seat_one(pool, trainable, member, lr):
+    # The tests that seat one member by hand look at the bucket it trains in:
+    # their trainables say solo=False (seated alone, it would train in its
+    # trial's own process: chorus_tune.tune.rules.solo).
     from chorus_tune.tune.values.plan import Plan
 
     args = ([(member, {"lr": lr}, 7)], trainable._task_id, trainable._task_blob, trainable.bucket_options(), Plan())
@@ -150,7 +153,7 @@ def test_seating_again_keeps_a_member_a_trial_already_reads():
 
     from tune_support import digits_task
 
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1)
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1, solo=False)
     pool = get_pool(create=True)
     # "queued" while an earlier test's bucket still has members (an idle one gives its budget up).
     assert _seat_one(pool, trainable, "m-kept", 0.1) in ("seated", "queued")
@@ -175,7 +178,7 @@ def test_a_member_that_left_is_seated_again_afresh():
 
     from tune_support import digits_task
 
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1)
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1, solo=False)
     pool = get_pool(create=True)
     assert _seat_one(pool, trainable, "m-fresh", 0.1) in ("seated", "queued")
     name, bucket = ray.get(pool.await_placement.remote("m-fresh"), timeout=60)
@@ -210,7 +213,7 @@ def test_a_seated_member_that_fails_before_its_trial_asks_gives_the_trial_its_ow
     from tune_support import digits_task
 
     trainable = ChorusTrainable.for_task(digits_task(metrics={"strict": _finite_only}), bucket_size=2,
-                                         max_buckets=1)
+                                         max_buckets=1, solo=False)
     pool = get_pool(create=True)
     assert _seat_one(pool, trainable, "m-diverges", 1e12) in ("seated", "queued")  # diverges at once
     name, _ = ray.get(pool.await_placement.remote("m-diverges"), timeout=60)  # it has a bucket
@@ -233,7 +236,8 @@ def test_a_member_that_leaves_while_its_new_bucket_starts_is_not_trained_there()
 
     from tune_support import digits_task
 
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=8, idle_close_s=0.5)
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=8, idle_close_s=0.5,
+                                         solo=False)
     pool = get_pool(create=True)
     assert _seat_one(pool, trainable, "m-left-early", 0.1) == "seated"  # placed in a bucket now starting
     ray.get(pool.leave.remote("m-left-early"))
@@ -251,8 +255,10 @@ def test_close_idle_buckets_closes_the_idle_ones_now_and_leaves_the_busy_ones():
     from tune_support import digits_task
 
     # idle_close_s=300: an idle bucket that closes within the test was closed by the call.
-    idle = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=8, idle_close_s=300.0)
-    busy = ChorusTrainable.for_task(digits_task(), bucket_size=3, max_buckets=8, idle_close_s=300.0)
+    idle = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=8, idle_close_s=300.0,
+                                    solo=False)
+    busy = ChorusTrainable.for_task(digits_task(), bucket_size=3, max_buckets=8, idle_close_s=300.0,
+                                    solo=False)
     pool = get_pool(create=True)
     _seat_one(pool, idle, "m-idle", 0.1)
     _seat_one(pool, busy, "m-busy", 0.1)
@@ -281,7 +287,8 @@ def test_a_seated_member_whose_trial_actor_dies_before_reading_is_reaped():
 
     from tune_support import digits_task
 
-    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1, reap_interval_s=0.2)
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1, reap_interval_s=0.2,
+                                         solo=False)
     pool = get_pool(create=True)
     _seat_one(pool, trainable, "m-orphan", 0.1)
     ray.get(pool.await_placement.remote("m-orphan"), timeout=60)
