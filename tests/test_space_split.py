@@ -31,6 +31,9 @@ def test_a_width_and_the_batch_size_are_named_as_what_splits_and_lr_is_not():
     message = split.message(16)
     assert message.startswith("4 trials fall into 4 structures (batch_size takes 3 values, l1 takes 2 values; ")
     assert message.endswith(": nothing will fuse, every trial trains in a bucket of its own")
+    # Where members seated alone train solo (chorus_tune.tune.rules.solo), it says so.
+    assert split.message(16, solo=True).endswith(": nothing will fuse, every trial trains alone in its own "
+                                                 "process, as plain Tune would")
 
 
 def test_structures_that_hold_several_trials_are_said_to_fuse_within_themselves():

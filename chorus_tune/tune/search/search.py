@@ -217,7 +217,10 @@ class ChorusSearch(ConcurrencyLimiter):
         if config and self._task_blob is not None:
             from .space_split import say_how_it_splits
 
-            say_how_it_splits(self._task_blob, config, num_samples, self.bucket_size)
+            from chorus_tune.tune.rules.solo import may_train_solo
+
+            solo = ray.is_initialized() and may_train_solo(ray.cluster_resources(), self._options)
+            say_how_it_splits(self._task_blob, config, num_samples, self.bucket_size, solo=solo)
         return super().set_search_properties(metric, mode, config, **spec)
 
     def suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:

@@ -56,8 +56,9 @@ class SpaceSplit:
         """Whether any two trials of the sample can share a bucket."""
         return any(size > 1 for size in self.sizes)
 
-    def message(self, bucket_size: int | None = None) -> str:
-        """One line for the run's log."""
+    def message(self, bucket_size: int | None = None, solo: bool = False) -> str:
+        """One line for the run's log. ``solo``: a member seated alone trains in
+        its trial's own process (chorus_tune.tune.rules.solo), not in a bucket."""
         if self.structures <= 1:
             return f"{self.trials} trials share one structure: they fuse" + (
                 f" in buckets of up to {bucket_size}" if bucket_size else "")
@@ -65,7 +66,8 @@ class SpaceSplit:
         line = f"{self.trials} trials fall into {self.structures} structures ({keys}"
         line += f"; {self.why})" if self.why else ")"
         if not self.fuses:
-            return line + ": nothing will fuse, every trial trains in a bucket of its own"
+            return line + (": nothing will fuse, every trial trains alone in its own process, as plain Tune "
+                           "would" if solo else ": nothing will fuse, every trial trains in a bucket of its own")
         largest = self.sizes[0]
         return line + (f": the largest structure holds {largest} of them, the smallest {self.sizes[-1]}; "
                        "each structure fuses only within itself")
@@ -134,10 +136,12 @@ def _distinct(values: list[Any]) -> list[Any]:
 _SPLIT_SAMPLE = 64
 
 
-def say_how_it_splits(task_blob: bytes, config: dict, num_samples: Any, bucket_size: int) -> None:
+def say_how_it_splits(task_blob: bytes, config: dict, num_samples: Any, bucket_size: int,
+                      solo: bool = False) -> None:
     """Tell the user, as the run starts, how its trials fall into structures
     and what splits them (a WARNING when they do not all fuse): a width or
     batch-size sweep otherwise shows only as ``chorus/live`` 1 afterwards.
+    ``solo``: members seated alone train in their trials' own processes.
     Read off a sample of the space drawn apart from the run's own (its draws
     are untouched); never fails the run."""
     try:
@@ -152,4 +156,4 @@ def say_how_it_splits(task_blob: bytes, config: dict, num_samples: Any, bucket_s
         logger.debug("ChorusSearch: could not read how the space splits", exc_info=True)
         return
     level = logging.WARNING if split.structures > 1 else logging.INFO
-    logger.log(level, "ChorusSearch: %s", split.message(bucket_size))
+    logger.log(level, "ChorusSearch: %s", split.message(bucket_size, solo))
