@@ -215,9 +215,9 @@ class ChorusSearch(ConcurrencyLimiter):
             client.new_run(self._prefix)
             run_plan.search_seats_cohorts()
         if config and self._task_blob is not None:
-            from .space_split import say_how_it_splits
-
             from chorus_tune.tune.rules.solo import may_train_solo
+
+            from .space_split import say_how_it_splits
 
             solo = ray.is_initialized() and may_train_solo(ray.cluster_resources(), self._options)
             say_how_it_splits(self._task_blob, config, num_samples, self.bucket_size, solo=solo)
