@@ -72,3 +72,32 @@ def test_members_of_one_structure_seated_together_share_a_bucket_not_solo(tmp_pa
     assert not any(result.metrics.get(rk.SOLO) for result in results)
     assert {result.metrics[rk.LIVE] for result in results} == {2}
     assert len(stats) == 2 and not any(entry["solo"] for entry in stats.values())
+
+
+@ray.remote(num_cpus=0)
+class _TrialActor:
+    """Stands in for a trial actor that dies while it trains its solo member."""
+
+
+def test_a_solo_member_whose_trial_actor_dies_leaves_and_frees_its_place(tmp_path):
+    import time
+
+    from chorus_tune.tune.client import get_pool
+    from chorus_tune.tune.values.plan import Plan
+
+    trainable = ChorusTrainable.for_task(digits_task(), bucket_size=2, max_buckets=1)
+    pool = get_pool(create=True)
+    seat = ([("m-solo", {"lr": 0.1}, 7)], trainable._task_id, trainable._task_blob, trainable.bucket_options(), Plan())
+    assert ray.get(pool.seat.remote(*seat))["m-solo"] == "solo"
+    ray.get(pool.bind.remote("trial-solo", ["m-solo"]))
+    actor = _TrialActor.remote()
+    ray.get(actor.__ray_ready__.remote())
+    reply = ray.get(pool.reserve.remote("trial-solo", trainable._task_id, None, {"lr": 0.1},
+                                        trainable.bucket_options(), actor._actor_id.hex()))
+    assert reply.solo and reply.handle is None
+    ray.kill(actor)  # it dies without leaving, as a killed trial process does
+    deadline = time.monotonic() + 30
+    while ray.get(pool.bucket_of.remote("m-solo")) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.get(pool.bucket_of.remote("m-solo")) is None
+    assert any("m-solo" in entry["reaped"] for entry in ray.get(pool.stats.remote()).values())

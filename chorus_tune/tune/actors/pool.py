@@ -31,6 +31,7 @@ import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
 from chorus_tune.tune.actors.cluster import node_cpus
+from chorus_tune.tune.actors.liveness import dead_among
 from chorus_tune.tune.actors.sizing import fit_summary, measure_bucket_size
 from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
 from chorus_tune.tune.rules.bucket_history import BucketHistory
@@ -59,6 +60,7 @@ _JOB_POLL_S = 2.0
 # when a member left (being built, held at a rung, a join still on its way) may move later.
 _REGROUP_POLL_S = 2.0
 _DRAIN_POLL_S = 0.2
+_SOLO_REAP_S = 1.0  # how often the pool looks for solo members whose trial actor died (a bucket's reap_interval_s)
 # Why a member left, in its bucket's history: an earlier run seated it and no trial ever read it.
 UNREAD_AT_NEW_RUN = "unread when a new run started"
 _COMPACT_TRIES = 3  # a compaction the bucket refuses is tried this often in all (its membership was moving)
@@ -147,6 +149,7 @@ class ChorusPool:
             log_to_actor_stdout(logger)  # its waits and losses, in the pool actor's own log
             asyncio.get_running_loop().create_task(self._watch_job())
             asyncio.get_running_loop().create_task(self._regroup_loop())
+            asyncio.get_running_loop().create_task(self._reap_solo_loop())
 
     def _learn_task(self, task_id_: str, task_blob: bytes | None) -> bool:
         if task_id_ not in self.tasks:
@@ -680,6 +683,28 @@ class ChorusPool:
         record = self.placement.buckets.get(name) if self.placement is not None else None
         if record is not None and record.key.options.regroup:
             asyncio.get_running_loop().create_task(self._regroup(record.key))
+
+    async def _reap_solo_loop(self) -> None:
+        """A solo member's trial trains it (rules/solo.py), so no bucket watches
+        that trial's actor: the pool does. A member whose trial actor died
+        leaves, and its place in the budget frees (else the members waiting for
+        a bucket would wait for it for good)."""
+        while True:
+            await asyncio.sleep(_SOLO_REAP_S)
+            try:
+                watched = {member: self.clients[member] for name in list(self._solo)
+                           for member in (self.placement.buckets[name].members if self.placement is not None
+                                          and name in self.placement.buckets else ())
+                           if self.clients.get(member) is not None}
+                if not watched:
+                    continue
+                dead = await asyncio.to_thread(dead_among, set(watched.values()))
+                for member, client in watched.items():
+                    if client in dead and self.clients.get(member) == client:
+                        logger.info("pool: solo member %s left: the trial actor training it is gone", member)
+                        await self.leave(member, reason="reaped")
+            except Exception:  # noqa: BLE001 - the reaper must survive anything
+                logger.exception("pool: solo reaper")
 
     async def _regroup_loop(self) -> None:
         while True:
