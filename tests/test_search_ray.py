@@ -325,7 +325,7 @@ def test_a_run_that_ended_early_leaves_no_unread_member_holding_the_next_run_s_b
     # bucket never drained. At max_buckets=1 (one GPU) the next run in this
     # driver waited for that bucket's budget for good.
     from chorus_tune.tune import ChorusTrainable
-    from chorus_tune.tune.actors.pool import UNREAD_AT_NEW_RUN
+    from chorus_tune.tune.actors.pool_seating import UNREAD_AT_NEW_RUN
     from chorus_tune.tune.client import get_pool
 
     from tune_support import digits_task

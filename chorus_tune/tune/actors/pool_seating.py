@@ -1,0 +1,233 @@
+"""The pool's part that takes members in (docs/design.md D2, D10): seating ChorusSearch's members
+ahead of their trials, binding trials to them, scouts, reservations and waits for a placement,
+and a new run's clean slate. A part of :class:`~chorus_tune.tune.actors.pool.ChorusPool` (its
+state is the pool's, set in its ``__init__``); the rules it applies live in ``rules/``."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import ray
+
+from chorus_tune.tune.rules.solo import lone_members, may_train_solo, solo_key
+from chorus_tune.tune.values.options import BucketOptions, Join
+from chorus_tune.tune.values.plan import Plan
+from chorus_tune.tune.values.protocol import NEED_TASK, SOLO, Reservation
+
+# The pool's one log: its _start sends it to the actor's own stdout.
+logger = logging.getLogger("chorus_tune.tune.actors.pool")
+
+# Why a member left, in its bucket's history: an earlier run seated it and no trial ever read it.
+UNREAD_AT_NEW_RUN = "unread when a new run started"
+_REALIZE_WAIT_S = 5.0  # reserve waits this long for its bucket, then the trial waits in await_placement
+
+
+class Seating:
+    """Members in: seats, binds, scouts and reservations (ChorusPool's part; see the module)."""
+
+    async def seat(self, seats: list[tuple[str, dict, int]], task_id_: str, task_blob: bytes | None,
+                   options: BucketOptions, plan: Plan) -> dict[str, str] | str:
+        """Seat members ``(member, config, seed)`` in buckets of their structure
+        now, before any trial reads them: each starts training as soon as it
+        has a slot. All are placed before any is built, so members seated
+        together train (and reach their rungs) together. Returns, per member,
+        ``"seated"``, ``"queued"`` (every bucket of its key is full), ``"solo"``
+        (its trial trains it, when its place in the budget is free: rules/solo.py) or
+        ``"failed"`` (its model cannot be built: the trial bound to it fails
+        with the factory's error); or ``NEED_TASK``."""
+        self._start()
+        if not self._learn_task(task_id_, task_blob):
+            return NEED_TASK
+        out, placements, keyed = {}, [], []
+        for member, config, seed in seats:
+            if self.scouts.release(member) is not None:
+                # A scout's member: seated now, first, with the cohort it waited for.
+                self.seats.unseat(member)
+            if self.seats.is_kept(member):
+                # Seated again (ChorusSearch restored in this job): kept as it is.
+                # (A trial that read some of its results and left made it leave.)
+                out[member] = self.seats.status(member)
+                continue
+            try:
+                key = self._key(task_id_, options, config)
+                size = await self._bucket_size(key, options, config)
+            except Exception as exc:  # noqa: BLE001 - the factory's (or the sizing's) error, for this member's trial
+                self.seats.fail(member, exc)
+                out[member] = "failed"
+                continue
+            keyed.append((member, config, seed, key, size))
+        # Decided over the whole seating, before any is placed: members seated
+        # together are the ones that would share a bucket (rules/solo.py).
+        solo = (lone_members([(m, k) for m, _, _, k, _ in keyed], self._key_in_pool)
+                if may_train_solo(ray.cluster_resources(), options) else set())
+        for member, config, seed, key, size in keyed:
+            self.seats.seat(member, Join(config=dict(config), seed=int(seed), plan=plan))
+            placed = self._request(member, solo_key(key, member), 1) if member in solo else self._request(
+                member, key, size)
+            out[member] = "solo" if member in solo else "queued" if placed is None else "seated"
+            if placed is not None:
+                placements.append(placed)
+        # Not awaited: a new bucket actor takes seconds to start (it imports
+        # torch), and the trials Tune starts meanwhile wait for their member's
+        # placement in their own first step, in parallel with it.
+        self._realize_all(placements)
+        return out
+
+    async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
+        """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
+        first): one with a bucket before one still waiting for a slot, so the
+        trials Tune runs read results that exist. Returns the member; for a
+        trial that runs already, the candidate it reads, or ``None`` when it
+        reads a member of its own."""
+        return self.readers.bind(trial_id, candidates, self.seats.is_seated, self.seats.is_housed)
+
+    async def expect_scout(self, trial_id: str, seat: tuple[str, dict, int]) -> None:
+        """ChorusSearch (no ``task=``) hands Tune ``trial_id`` first: when its
+        first step reserves, it teaches the pool its task, and it reads the
+        member ``seat`` (``(member, config, seed)``), placed with the cohort
+        the search seats next."""
+        self.scouts.expect(trial_id, seat)
+
+    async def scout_task(self, trial_id: str) -> tuple[str, BucketOptions] | None:
+        """``(task id, options)`` the scout reserved with, once it has."""
+        return self.scouts.taught(trial_id)
+
+    def _hold_scout(self, trial_id: str, task_id_: str, options: BucketOptions) -> str:
+        member, config, seed = self.scouts.arrived(trial_id, task_id_, options)
+        key = self._key(task_id_, options, config)  # the factory's error, for the scout's trial
+        self.seats.seat(member, Join(config=dict(config), seed=int(seed), plan=options.plan()))
+        self.readers.bind_to(trial_id, member)
+        self.scouts.hold(member, key, lambda m: asyncio.get_running_loop().create_task(self._place_held(m)))
+        return member
+
+    async def _place_held(self, member: str) -> None:
+        key = self.scouts.release(member)
+        if key is None:
+            return  # seated with its cohort, or left, before its wait was over
+        logger.warning("pool: scout member %s waited %.0f s for its cohort; placed alone", member,
+                       self.scouts.wait_s)
+        options = key.options
+        size = await self._bucket_size(key, options, self.seats.join_of(member).config)
+        placed = self._request(member, key, size)
+        if placed is not None:
+            await self._realize_waiting([placed])
+
+    async def new_run(self, seated_by: str) -> None:
+        """A new Tune run starts in this driver (ChorusSearch says so): where
+        the last run's scheduler stopped trials says nothing of this one's, and
+        the members earlier runs seated that no trial reads leave. Those named
+        ``seated_by`` (the prefix of the member names the run's own search
+        seats) stay: Ray does not keep the order of an async actor's calls
+        (docs: "Actor Task Execution Order"), so this one may run after the
+        run's first seats. A restore in this driver keeps its search's
+        prefix, and so its seats, as before.
+
+        Tune tells a searcher nothing when a run ends early (a stopper's
+        ``stop_all``, ``time_budget_s``, ``fail_fast``): the members seated
+        ahead of it stayed, trained, unread, for good, their bucket never
+        drained, and the next run's trials waited for its budget for ever
+        (measured: a second fit in one driver at ``max_buckets=1`` hung). One
+        run at a time per driver is assumed, as for the stop counts above."""
+        self._start()
+        self._stops.clear()
+        for handle in list(self.handles.values()):
+            handle.reset_stops.remote()
+        unread = self.seats.unread(self.readers.members_read(), spare=seated_by)
+        if self.placement is not None:
+            # Queued ones first: a placed one's slot must not go to one about to leave.
+            unread.sort(key=lambda member: not self.placement.is_waiting(member))
+        # All forgotten before the first await: no seat can come between them.
+        gone = [(member, *self._forget(member, UNREAD_AT_NEW_RUN)) for member in unread]
+        if gone:
+            logger.info("pool: a new run starts; %d members seated before and never read leave: %s",
+                        len(gone), [member for member, _, _ in gone])
+        for member, name, update in gone:
+            await self._left(member, name, update)
+
+    async def reserve(self, trial_id: str, task_id_: str, task_blob: bytes | None, config: dict,
+                      options: BucketOptions, client: str | None = None, seed: int | None = None):
+        """Where ``trial_id`` reads its results: a :class:`Reservation`, or
+        ``NEED_TASK`` when the pool has not seen this task yet (call again with
+        its bytes). A trial bound to a seated member reads that member; any
+        other gets a member of its own (named by its trial id, seeded with
+        ``seed``), placed in a bucket of its structure. Never waits for a
+        slot (the trial waits in :meth:`await_placement`, saying what for);
+        it may wait for the trial's last member to leave its bucket, at most
+        that bucket's running iteration. Raises what the model factory raises
+        for ``config``."""
+        self._start()
+        if not self._learn_task(task_id_, task_blob):
+            return NEED_TASK
+        self.clients[trial_id] = client
+        if self.readers.is_reading(trial_id):
+            # A trial reserving again is a restart (a new actor, a recovery, a
+            # restore in this job): what its member holds is stale for it. It
+            # gets a member of its own (restored from its checkpoint, if any).
+            await self.trial_left(trial_id)
+        # Its member's name (its trial id) comes back only once its last leave
+        # reached the bucket (leaving.py says what happened before: an actor's
+        # leave is not waited for, and the bucket holds it to the iteration's end).
+        await self.leaving.finished(trial_id, options.result_timeout_s)
+        if self.scouts.is_expected(trial_id):
+            self._hold_scout(trial_id, task_id_, options)
+        member = self.readers.bound_member(trial_id, self.seats.is_seated)  # None once lost with its bucket
+        token = self.readers.start(trial_id, trial_id if member is None else member)
+        if member is not None:
+            failure = self.seats.failure(member)
+            if failure is not None:
+                raise failure
+            seat = self.seats.join_of(member)
+            home, name = self.seats.home(member), self._read_from(member)
+            # Its bucket watches this trial's actor from now on, not only once
+            # it first reads: an actor that dies before would leave the member
+            # holding its slot for good.
+            self.clients[member] = client
+            if home in self.handles and client is not None:
+                self.handles[home].watch.remote(member, client)
+            return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, token,
+                               solo=name in self._solo)
+        key = self._key(task_id_, options, config)
+        size = await self._bucket_size(key, options, config)
+        plan = options.plan(self.plans.get(trial_id))
+        seed = int(seed) if seed is not None else 0
+        placed = self._request(trial_id, key, size)
+        if placed is None:
+            logger.info("pool: %s waits for a bucket (all %s in use)", trial_id, self.placement.max_buckets)
+            return Reservation(trial_id, seed, plan, None, None, False, token)
+        # A new bucket may wait long to start (for a GPU another bucket holds):
+        # the trial then waits in await_placement, which says what it waits for
+        # and ends (docs/design.md "Faults: every wait ends"), not in here.
+        realizing = asyncio.get_running_loop().create_task(self._realize_waiting([placed]))
+        await asyncio.wait({realizing}, timeout=_REALIZE_WAIT_S)
+        if trial_id in self._unplaced:
+            raise self._unplaced.pop(trial_id)
+        name = self._read_from(trial_id)
+        return Reservation(trial_id, seed, plan, name, self.handles.get(name), False, token)
+
+    async def await_placement(self, member: str):
+        """``(bucket name, handle)`` of a member waiting for a slot, once it has one
+        (and its bucket expects it)."""
+        if member in self._unplaced:
+            raise self._unplaced[member]
+        name = self._read_from(member)
+        if name is None:
+            placed = self.scouts.is_held(member) or self.placement is not None and (
+                self.placement.is_waiting(member) or self.placement.bucket_of(member) is not None)
+            if not placed:
+                raise RuntimeError(f"member {member} is neither placed nor waiting for a bucket")
+            future = self._waiting.setdefault(member, asyncio.get_running_loop().create_future())
+            name = await future
+        return name, SOLO if name in self._solo else self.handles[name]
+
+    async def stops_seen(self, name: str, stopped: dict[int, int], continued: dict[int, int]) -> None:
+        """Bucket ``name`` saw Tune stop a trial early, or continue one where the run still gathers
+        evidence (docs/design.md D4): tell the run's other buckets."""
+        self._stops.seen(name, stopped, continued)
+        for other in list(self.handles):
+            if other != name:
+                self._send_stops(other)
+
+    def _send_stops(self, name: str) -> None:
+        counts = self._stops.elsewhere(name)
+        if counts is not None and name in self.handles:
+            self.handles[name].stops_elsewhere.remote(*counts)
