@@ -28,20 +28,14 @@ class BucketOptions:
     :mod:`chorus_tune.tune.rules.resources` (``None``: one GPU where there are GPUs,
     else one CPU). ``route``: ``"auto" | "vmap" | "compiled" | "eager"``.
 
-    How far members train ahead of their trials (docs/design.md D4):
-    ``speculate``: when decisions are Tune's (its default FIFO scheduler, stock
-    ASHA, HyperBand, PBT, stoppers), members train on to the run's
-    ``stop={"training_iteration": n}`` without waiting for their trials, except
-    past the iterations where the bucket has seen Tune stop trials early
-    (:class:`chorus_tune.tune.rules.members.StopRecord`); ``False``: at most
-    ``run_ahead`` beyond the ask everywhere. ``run_ahead``: iterations a member
-    may compute beyond what its trial has asked for where nothing else bounds
-    it (no ``speculate``, or no cap known); ``0`` is strict lockstep.
-    ``max_iterations``: an iteration budget. Giving it says that nothing but
-    the budget (and ChorusASHA's rungs, which the bucket decides itself) ends
-    a trial early, so members run ahead without bound and no member-iteration
-    is wasted; a trial's last result is then ``done``. Not needed for speed: a
-    stop dict gives the same under FIFO.
+    How far members train ahead of their trials (the rules, once:
+    :mod:`chorus_tune.tune.rules.members`; why: docs/design.md D4):
+    ``speculate`` (default True): where decisions are Tune's, members train
+    on to the run's stop dict except past learnt decision points; ``False``:
+    at most ``run_ahead`` beyond the ask everywhere. ``run_ahead``: iterations
+    a member may compute beyond its trial's ask where nothing else bounds
+    it; ``0`` is strict lockstep. ``max_iterations``: an iteration budget,
+    which also says nothing else ends a trial early (not needed for speed).
     ``ahead_memory_mb``: every result waiting for its trial keeps the member's
     state of that iteration (so a checkpoint is exact); a member stops running
     ahead when its bucket's waiting states would pass this many MiB.
