@@ -140,7 +140,7 @@ def test_an_iteration_whose_plan_raises_leaves_every_member_where_it_was(monkeyp
     def broken(*args):
         raise ZeroDivisionError("planted")
 
-    monkeypatch.setattr("chorus_tune.bucket.scheduled_lr", broken)
+    monkeypatch.setattr("chorus_tune.bucket_step.scheduled_lr", broken)  # the learning rates of a plan
     with pytest.raises(ZeroDivisionError, match="planted"):
         bucket.run_iteration()
     monkeypatch.undo()

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import chorus_tune as ct
-import chorus_tune.bucket as bucket_module
+import chorus_tune.bucket_iteration as iteration_module  # where an iteration recovers from running out
 from chorus_tune import reference
 from chorus_tune.bucket import MemberOutOfMemory
 from chorus_tune.memory import is_out_of_memory
@@ -316,13 +316,13 @@ def test_a_probe_that_runs_out_even_alone_falls_back_to_eager(device):
 
 def test_the_failed_steps_tensors_are_unpinned_before_memory_is_released(device, monkeypatch):
     seen = []
-    real = bucket_module.release_memory
+    real = iteration_module.release_memory
 
     def release(dev):
         seen.append([ref() is None for ref in device.pinned])
         real(dev)
 
-    monkeypatch.setattr(bucket_module, "release_memory", release)
+    monkeypatch.setattr(iteration_module, "release_memory", release)
     bucket = ct.Bucket(mlp_task(), 2, route="vmap")
     for seed in range(2):
         bucket.add(dict(seed=seed))
