@@ -492,7 +492,7 @@ def test_a_continue_that_may_clear_an_iteration_reaches_the_pool_and_evidence_fr
 
 
 def test_an_error_that_does_not_pickle_reaches_the_pool_as_its_type_and_message():
-    from chorus_tune.tune.actors.bucket_actor import _portable
+    from chorus_tune.tune.actors.bucket_actor_values import portable as _portable
 
     class HoldsALock(Exception):
         def __init__(self, message):

@@ -215,12 +215,9 @@ class ChorusSearch(ConcurrencyLimiter):
             client.new_run(self._prefix)
             run_plan.search_seats_cohorts()
         if config and self._task_blob is not None:
-            from chorus_tune.tune.rules.solo import may_train_solo
-
             from .space_split import say_how_it_splits
 
-            solo = ray.is_initialized() and may_train_solo(ray.cluster_resources(), self._options)
-            say_how_it_splits(self._task_blob, config, num_samples, self.bucket_size, solo=solo)
+            say_how_it_splits(self._task_blob, config, num_samples, self.bucket_size, self._options)
         return super().set_search_properties(metric, mode, config, **spec)
 
     def suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:

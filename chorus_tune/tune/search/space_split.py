@@ -23,10 +23,12 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import ray
 import ray.cloudpickle as cloudpickle
 
 from chorus_tune.config_keys import is_tune_key
 from chorus_tune.stack import describe_split, sharing_key
+from chorus_tune.tune.rules.solo import may_train_solo
 from chorus_tune.width_rule import WidthGroups
 from chorus_tune.widths import PaddingPrices
 
@@ -137,11 +139,12 @@ _SPLIT_SAMPLE = 64
 
 
 def say_how_it_splits(task_blob: bytes, config: dict, num_samples: Any, bucket_size: int,
-                      solo: bool = False) -> None:
+                      options: Any = None) -> None:
     """Tell the user, as the run starts, how its trials fall into structures
     and what splits them (a WARNING when they do not all fuse): a width or
     batch-size sweep otherwise shows only as ``chorus/live`` 1 afterwards.
-    ``solo``: members seated alone train in their trials' own processes.
+    ``options``: the run's BucketOptions, which say (with the cluster) whether
+    members seated alone train in their trials' own processes (rules/solo.py).
     Read off a sample of the space drawn apart from the run's own (its draws
     are untouched); never fails the run."""
     try:
@@ -156,4 +159,5 @@ def say_how_it_splits(task_blob: bytes, config: dict, num_samples: Any, bucket_s
         logger.debug("ChorusSearch: could not read how the space splits", exc_info=True)
         return
     level = logging.WARNING if split.structures > 1 else logging.INFO
+    solo = options is not None and ray.is_initialized() and may_train_solo(ray.cluster_resources(), options)
     logger.log(level, "ChorusSearch: %s", split.message(bucket_size, solo))

@@ -1,0 +1,136 @@
+"""The bucket actor's part that trains (docs/design.md D4, D12): the loop that runs an
+iteration whenever members may train, the core bucket's iteration in a worker thread, each
+member's result with its ``chorus/*`` fields, failures kept to their members, and the status
+line and metrics of every iteration. A part of
+:class:`~chorus_tune.tune.actors.bucket_actor.ChorusBucket` (its state is the actor's)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from chorus_tune.tune.actors.bucket_actor_values import (
+    STATUS_LINE,
+    member_metrics,
+)
+from chorus_tune.tune.rules.members import Phase
+from chorus_tune.tune.values import result_keys as rk
+
+# The bucket's one log: its __init__ sends it to the actor's own stdout.
+logger = logging.getLogger("chorus_tune.tune.actors.bucket_actor")
+
+
+class TrainingLoop:
+    """The training loop and what each iteration reports (ChorusBucket's part; see the module)."""
+
+    async def _train_loop(self) -> None:
+        while not self._closed.is_set():
+            chosen, wait = self.book.next_iteration(time.monotonic())
+            if not chosen:
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), timeout=wait)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            try:
+                await self._iterate()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                logger.exception("%s: training loop", self.name)
+
+    async def _iterate(self) -> None:
+        async with self._lock:
+            # Membership may have changed while the lock was held elsewhere.
+            chosen, _ = self.book.next_iteration(time.monotonic(), gather=False, ride=self._rows_cost_alike())
+            if not chosen:
+                return
+            self.book.started(chosen)
+            members = {r.slot: r.member for r in chosen}
+            # As this iteration found them: finishing members free their slots before the report.
+            in_slots, capacity, batch = self.live, self.core.capacity, self._batch_size()
+            start = time.perf_counter()
+            try:
+                out, states = await self._in_thread(self._train, sorted(members))
+            except Exception as exc:  # noqa: BLE001 - every member of the iteration must hear of it
+                from chorus_tune.bucket import MemberFailure
+
+                if not isinstance(exc, MemberFailure):
+                    logger.exception("%s: iteration failed", self.name)
+                    self._fail_members(members, exc)
+                    return
+                # The others finished their iteration (in smaller groups after
+                # running out of memory); only the members that ran out even
+                # alone, or whose task metric failed, fail, each with its own
+                # message (a plain error: their trial actors must not need torch to read it).
+                logger.warning("%s: %s", self.name, exc)
+                for slot, message in exc.errors.items():
+                    self._fail_members({slot: members[slot]}, RuntimeError(message))
+                out = exc.results
+                states = await self._in_thread(self._states, sorted(out))
+            seconds = time.perf_counter() - start
+            self.iterations += 1
+            rows = self.core.last_rows
+            self.member_iterations += len(out)
+            self.rows_computed += rows
+            outputs = {members[slot]: (self._result(members[slot], slot, metrics, len(out), rows), states[slot])
+                       for slot, metrics in out.items()}
+            freed = self.book.record(outputs)
+            for slot in freed:
+                self.core.retire(slot)
+        finished = [m for m in outputs if self.book.get(m).phase is Phase.FINISHED]
+        for member in outputs:
+            self._resolve(member)
+        for member in finished:
+            self._notify_pool(member, "finished")
+        self._report(len(out), rows, in_slots, capacity, batch, seconds)
+
+    def _rows_cost_alike(self) -> bool:
+        """Whether the fused step may compute every row of the stack, trained
+        or masked: then members held at a decision point ride along for free.
+        Only the compiled route still runs masked rows (for groups of more than
+        half the stack: ``Bucket._trains_gathered``); everywhere else an
+        iteration gathers the rows it trains, and a rider would cost its row."""
+        return self.core.route == "compiled" and self.core.max_group is None
+
+    def _train(self, slots: list[int]) -> tuple[dict[int, dict], dict[int, dict]]:
+        out = self.core.run_iteration(slots)
+        return out, self._states(out)
+
+    def _states(self, slots) -> dict[int, dict]:
+        return {slot: self.core.member_state(slot) for slot in slots}
+
+    def _fail_members(self, members: dict[int, str], error: BaseException) -> None:
+        for slot, member in members.items():
+            self.book.fail(member, error)
+            self.core.retire(slot)
+            self._resolve(member)
+            self._notify_pool(member, "failed", error)
+
+    def _result(self, member: str, slot: int, metrics: dict, live: int, rows: int) -> dict[str, Any]:
+        return {**member_metrics(metrics), rk.MEMBER: member, rk.BUCKET: self.name, rk.SLOT: slot,
+                rk.BUCKET_ITERATION: self.iterations,
+                rk.ROUTE: metrics.get("route", self.core.route), rk.ROUTE_REASON: self.core.route_reason.value,
+                rk.LIVE: live, rk.ROWS: rows,
+                rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions,
+                rk.OOM_RECOVERIES: self.core.oom_recoveries, **self.capacity_fit}
+
+    def _report(self, trained: int, rows: int, in_slots: int, capacity: int, batch: int, seconds: float) -> None:
+        steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
+        self._steps_seen = self.core.fused_steps
+        samples = steps * batch * trained
+        route = self.core.last_route or self.core.route  # the iteration's own (a lone member's eager)
+        self.metrics.iteration(steps, samples, seconds, route)
+        self.metrics.members(self.live, self.core.capacity)
+        self.metrics.wasted(self.book.wasted)
+        logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, rows, route,
+                    seconds, 1000 * seconds / steps if steps else 0.0, samples / seconds if seconds > 0 else 0.0,
+                    self.book.wasted)
+
+    def _batch_size(self) -> int:
+        for record in self.book.in_slots():
+            try:
+                return self.core.task.batch_size_for(self.core.config(record.slot))
+            except KeyError:
+                continue
+        return 0
