@@ -174,7 +174,9 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         prices = self._prices.setdefault(task_id_, PaddingPrices(task.input_row))
         skey = sharing_key(task, config, self._width_groups.setdefault(device, WidthGroups(device_type=device)),
                            prices)
-        key = GroupKey(task_id_, options, self._model_name(task, config), skey)
+        # The class's name read off the key (its model_class is module.qualname): the model
+        # was built on meta once, for the key, not again for its name.
+        key = GroupKey(task_id_, options, skey.model_class.rsplit(".", 1)[-1], skey)
         if key not in self.key_info:
             _log_split(key, split_from(key, self.key_info))
         self.key_info.setdefault(key, key)
@@ -195,16 +197,6 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
             logger.info("pool: %s takes the budget of idle bucket %s", member, empty)
             asyncio.get_running_loop().create_task(self._close_when_drained(empty))
         return placed
-
-    @staticmethod
-    def _model_name(task, config: dict) -> str:
-        import torch
-
-        try:
-            with torch.device("meta"):
-                return type(task.model(config)).__name__
-        except Exception:  # noqa: BLE001 - a name only; the structural key already vetted config
-            return "?"
 
     def _budget(self, options: BucketOptions) -> int:
         if options.max_buckets is not None:
