@@ -45,6 +45,7 @@ from chorus_tune.tune.rules.resources import bucket_budget, bucket_resources
 from chorus_tune.tune.rules.run_stops import RunStops
 from chorus_tune.tune.rules.scouts import Scouts
 from chorus_tune.tune.rules.seat_book import SeatBook
+from chorus_tune.tune.rules.solo import is_solo_key
 from chorus_tune.tune.values.options import BucketOptions, RungSchedule
 from chorus_tune.tune.values.protocol import NAMESPACE, bucket_prefix
 
@@ -117,7 +118,6 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         self._sizing: dict[GroupKey, asyncio.Future] = {}  # key -> its "auto" bucket size measurement
         self._width_groups: dict[str, Any] = {}  # device type -> the width_rule.WidthGroups trials are grouped in
         self._prices: dict[str, Any] = {}  # task id -> its widths.PaddingPrices (an input row, once widths differ)
-        self._solo: set[str] = set()  # places in the budget whose member its trial trains (rules/solo.py)
         # ChorusSearch without task= (see ChorusSearch._send_scout): its scout
         # trials, and their members held back for their cohort.
         self.scouts = Scouts(lambda delay_s, callback: asyncio.get_running_loop().call_later(delay_s, callback))
@@ -181,6 +181,11 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
             _log_split(key, split_from(key, self.key_info))
         self.key_info.setdefault(key, key)
         return key
+
+    def _is_solo(self, name: str) -> bool:
+        """Whether ``name`` is a solo member's place in the budget, not a bucket (rules/solo.py)."""
+        record = self.placement.buckets.get(name) if self.placement is not None else None
+        return record is not None and is_solo_key(record.key)
 
     def _key_in_pool(self, key: GroupKey) -> bool:
         """Whether a member of ``key`` is seated, waiting or in a bucket already (a solo member's key is its own)."""

@@ -18,7 +18,6 @@ from chorus_tune.tune.rules.closing import idle_close_s, stays_idle
 from chorus_tune.tune.rules.opening import actor_options, new_bucket_options
 from chorus_tune.tune.rules.placement import Placed
 from chorus_tune.tune.rules.resources import shared_threads
-from chorus_tune.tune.rules.solo import is_solo_key
 from chorus_tune.tune.values.protocol import NAMESPACE
 
 # The pool's one log: its _start sends it to the actor's own stdout.
@@ -58,7 +57,7 @@ class BucketLifecycle:
         and two of a cohort of eight seated together trained an iteration
         before the other six arrived (a cohort must reach its rungs together)."""
         name = group[0].bucket
-        if is_solo_key(self.placement.buckets[name].key):
+        if self._is_solo(name):
             self._realize_solo(group[0])
             return
         if any(p.opened for p in group) or name not in self.handles:
@@ -104,7 +103,6 @@ class BucketLifecycle:
         name, member = placed.bucket, placed.trial_id
         if placed.opened:
             record = self.placement.buckets[name]
-            self._solo.add(name)
             now = time.monotonic()
             self.history.opened(name, record.key.model_name, 1, record.ever, None,
                                 at=now, solo=True)
@@ -136,7 +134,7 @@ class BucketLifecycle:
         delay_s = idle_close_s(self.placement, name)
         if delay_s is None:
             return
-        if name in self._solo:
+        if self._is_solo(name):
             delay_s = 0.0  # a solo member's place takes no other member
 
         await asyncio.sleep(delay_s)

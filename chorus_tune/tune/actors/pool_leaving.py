@@ -12,6 +12,7 @@ from ray.exceptions import RayActorError
 
 from chorus_tune.tune.actors.liveness import dead_among
 from chorus_tune.tune.rules.placement import Update
+from chorus_tune.tune.rules.solo import is_solo_key
 
 # The pool's one log: its _start sends it to the actor's own stdout.
 logger = logging.getLogger("chorus_tune.tune.actors.pool")
@@ -120,9 +121,9 @@ class Departures:
         while True:
             await asyncio.sleep(_SOLO_REAP_S)
             try:
-                watched = {member: self.clients[member] for name in list(self._solo)
-                           for member in (self.placement.buckets[name].members if self.placement is not None
-                                          and name in self.placement.buckets else ())
+                solo = [record for record in self.placement.buckets.values()
+                        if is_solo_key(record.key)] if self.placement is not None else []
+                watched = {member: self.clients[member] for record in solo for member in record.members
                            if self.clients.get(member) is not None}
                 if not watched:
                     continue

@@ -185,7 +185,7 @@ class Seating:
             if home in self.handles and client is not None:
                 self.handles[home].watch.remote(member, client)
             return Reservation(member, seat.seed, seat.plan, name, self.handles.get(name), True, token,
-                               solo=name in self._solo)
+                               solo=self._is_solo(name))
         key = self._key(task_id_, options, config)
         size = await self._bucket_size(key, options, config)
         plan = options.plan(self.plans.get(trial_id))
@@ -217,7 +217,7 @@ class Seating:
                 raise RuntimeError(f"member {member} is neither placed nor waiting for a bucket")
             future = self._waiting.setdefault(member, asyncio.get_running_loop().create_future())
             name = await future
-        return name, SOLO if name in self._solo else self.handles[name]
+        return name, SOLO if self._is_solo(name) else self.handles[name]
 
     async def stops_seen(self, name: str, stopped: dict[int, int], continued: dict[int, int]) -> None:
         """Bucket ``name`` saw Tune stop a trial early, or continue one where the run still gathers

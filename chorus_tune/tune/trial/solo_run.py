@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from chorus_tune.tune.actors.bucket_actor_values import member_metrics
 from chorus_tune.tune.rules.members import meets_stop_criteria
 from chorus_tune.tune.values import result_keys as rk
 from chorus_tune.tune.values import state_io
@@ -59,7 +60,7 @@ class SoloRun:
     def step(self) -> dict[str, Any]:
         metrics = self.core.run_iteration([self.slot])[self.slot]
         self.iterations += 1
-        result = {**{k: v for k, v in metrics.items() if k not in ("route", "seed")},
+        result = {**member_metrics(metrics),
                   rk.MEMBER: self.member, rk.BUCKET: self.place, rk.SLOT: self.slot,
                   rk.BUCKET_ITERATION: self.iterations, rk.ROUTE: metrics.get("route", self.core.route),
                   rk.ROUTE_REASON: self.core.route_reason.value, rk.LIVE: 1, rk.ROWS: 1, rk.CAPACITY: 1,
