@@ -49,6 +49,7 @@ class RouteReason(enum.Enum):
     COMPILE_DISAGREES = "compile_disagrees"
     PROBE_OUT_OF_MEMORY = "probe_out_of_memory"
     PADDING_DISAGREES = "padding_disagrees"
+    SOLO = "solo"
 
     @property
     def description(self) -> str:
@@ -69,6 +70,8 @@ _DESCRIPTIONS = {
     RouteReason.PADDING_DISAGREES: "a member padded to the bucket's widths disagreed with its own model (the "
                                    "padding check, docs/design.md D9): eager, each member its own model "
                                    "(always correct)",
+    RouteReason.SOLO: "a member alone, trained in its trial's process: its own module and the stock "
+                      "torch.optim optimizer, unfused (docs/design.md D2)",
 }
 
 # The reason a rejected candidate gives, by how it was rejected.

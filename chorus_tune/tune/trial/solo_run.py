@@ -3,10 +3,10 @@
 The trial trains it one iteration per ``step``, as plain Tune trains a
 trial: no bucket actor, no call per result, nothing trained ahead, so
 nothing is wasted and Tune makes every decision. It trains with the core's
-:class:`~chorus_tune.Bucket` of one slot on the eager route (the route a
-bucket takes for a lone member), so its results, its seed and its member
-state are those a bucket would give: a checkpoint restores into a bucket,
-and a bucket's into a solo run.
+:class:`~chorus_tune.unfused.UnfusedMember`: the member's own module and the
+stock ``torch.optim`` optimizer (the reference's training, at a plain
+trial's speed), with a bucket's seed and member state, so a checkpoint
+restores into a bucket, and a bucket's into a solo run.
 """
 from __future__ import annotations
 
@@ -45,27 +45,29 @@ class SoloRun:
                  state: bytes | None = None, plan: Plan | None = None):
         import torch
 
-        from chorus_tune.bucket import Bucket
+        from chorus_tune.route import RouteReason
+        from chorus_tune.unfused import UnfusedMember
 
         torch.set_num_threads(_THREADS)
-        self.member, self.place, self.seed = member, place, seed
+        self.member, self.place = member, place
         self.plan = plan or Plan()
-        self.core = Bucket(_task(task_blob, task_id), 1, device="cpu", route="eager")
+        task = _task(task_blob, task_id)
         if state is None:
-            self.slot = self.core.add(dict(config), seed)
+            self.core = UnfusedMember(task, dict(config), seed)
         else:
-            self.slot = self.core.restore(state_io.loads(state), dict(config))
+            self.core = UnfusedMember(task, dict(config), state=state_io.loads(state))
+        self.seed, self.route_reason = self.core.seed, RouteReason.SOLO.value
         self.iterations = 0
 
     def step(self) -> dict[str, Any]:
-        metrics = self.core.run_iteration([self.slot])[self.slot]
+        metrics = self.core.run_iteration()
         self.iterations += 1
         result = {**member_metrics(metrics),
-                  rk.MEMBER: self.member, rk.BUCKET: self.place, rk.SLOT: self.slot,
-                  rk.BUCKET_ITERATION: self.iterations, rk.ROUTE: metrics.get("route", self.core.route),
-                  rk.ROUTE_REASON: self.core.route_reason.value, rk.LIVE: 1, rk.ROWS: 1, rk.CAPACITY: 1,
-                  rk.SEED: metrics.get("seed", self.seed), rk.COMPACTIONS: 0,
-                  rk.OOM_RECOVERIES: self.core.oom_recoveries, rk.AHEAD: 0, rk.WASTED: 0, rk.SOLO: True}
+                  rk.MEMBER: self.member, rk.BUCKET: self.place, rk.SLOT: 0,
+                  rk.BUCKET_ITERATION: self.iterations, rk.ROUTE: metrics["route"],
+                  rk.ROUTE_REASON: self.route_reason, rk.LIVE: 1, rk.ROWS: 1, rk.CAPACITY: 1,
+                  rk.SEED: self.seed, rk.COMPACTIONS: 0, rk.OOM_RECOVERIES: 0, rk.AHEAD: 0, rk.WASTED: 0,
+                  rk.SOLO: True}
         # What a bucket marks done (rules/members.py): its plan's budget, or a stop criterion met.
         budget = self.plan.budget
         if meets_stop_criteria(self.plan, result) or (budget is not None and result.get(rk.ITERATION, 0) >= budget):
@@ -74,4 +76,4 @@ class SoloRun:
 
     def state(self) -> bytes:
         """The member's state after its last iteration, serialised as a bucket's ``save`` serialises it."""
-        return state_io.dumps(self.core.member_state(self.slot))
+        return state_io.dumps(self.core.member_state())
