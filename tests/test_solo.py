@@ -98,3 +98,30 @@ def test_a_solo_members_last_result_is_done_at_its_plans_budget():
 def test_a_solo_members_result_that_meets_a_stop_criterion_is_done():
     run = _solo(mlp_task(), plan=Plan(stop_criteria=(("val_accuracy", 0.0),)))
     assert run.step().get("done") is True
+
+
+# ----- whose data the sweep's processes share (rules/shared_data.py) ------------------------------
+def test_a_callables_data_of_cpu_tensors_is_shared():
+    from chorus_tune.tune.rules.shared_data import may_share
+
+    loaded = mlp_task().load_data()
+    assert may_share(lambda: None, loaded)
+
+
+def test_data_given_as_tensors_is_not_shared_again_it_travels_in_the_task():
+    from chorus_tune.tune.rules.shared_data import may_share
+
+    assert not may_share(("x", "y"), mlp_task().load_data())
+
+
+def test_data_made_on_another_device_or_as_a_dataset_stays_in_its_process():
+    import torch
+    from torch.utils.data import Dataset
+
+    from chorus_tune.task import TensorSplit
+    from chorus_tune.tune.rules.shared_data import may_share
+
+    on_device = TensorSplit((torch.zeros(2, 3, device="meta"), torch.zeros(2, device="meta")))
+    train, val = mlp_task().load_data()
+    assert not may_share(lambda: None, (on_device, val))
+    assert not may_share(lambda: None, (train, Dataset()))

@@ -101,3 +101,36 @@ def test_a_solo_member_whose_trial_actor_dies_leaves_and_frees_its_place(tmp_pat
         time.sleep(0.2)
     assert ray.get(pool.bucket_of.remote("m-solo")) is None
     assert any("m-solo" in entry["reaped"] for entry in ray.get(pool.stats.remote()).values())
+
+
+def _counted_digits(path):
+    """The digits splits, counting each call in ``path`` (one line per process that loads them)."""
+    import models  # pickled by value (tune_support registers it): workers cannot import it
+
+    def load():
+        with open(path, "a") as f:
+            f.write("loaded\n")
+        return models.digits(512, 256)
+    return load
+
+
+def test_a_callables_data_is_loaded_once_per_sweep_and_shared_with_later_processes(tmp_path):
+    from chorus_tune import Task
+    from tune_support import digits, mlp
+
+    counter = tmp_path / "loads.txt"
+    task = Task(model=mlp, data=_counted_digits(str(counter)), batch_size=64)  # digits_task's, counted
+    trainable = ChorusTrainable.for_task(task, bucket_size=4)
+    # One trial at a time, each in a process of its own: only the first loads.
+    results = tune.Tuner(
+        trainable, param_space=APART,
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", reuse_actors=False, num_samples=3,
+                                    search_alg=ChorusSearch(task=trainable, random_state=0, max_concurrent_trials=1)),
+        run_config=run_config(tmp_path, ITERATIONS),
+    ).fit()
+    assert not results.errors and len(results) == 3
+    assert all(result.metrics[rk.SOLO] for result in results)
+    assert counter.read_text().count("loaded") == 1
+    for result in results:  # the shared copy trains as the member's own load would
+        ref, _ = reference.train(Task(model=mlp, data=digits, batch_size=64), dict(result.config), result.metrics[rk.SEED], ITERATIONS)
+        assert history(result) == pytest.approx([h["val_loss"] for h in ref], rel=1e-5, abs=1e-6)

@@ -41,6 +41,7 @@ from chorus_tune.tune.actors.bucket_moves import RegroupMoves
 from chorus_tune.tune.actors.bucket_reads import ResultReads
 from chorus_tune.tune.actors.bucket_training import TrainingLoop
 from chorus_tune.tune.actors.liveness import ActorId
+from chorus_tune.tune.actors.shared_data import load_task_data
 from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
 from chorus_tune.tune.observe.metrics import BucketMetrics
 from chorus_tune.tune.rules.members import MemberBook, Phase, StopRecord
@@ -49,6 +50,7 @@ from chorus_tune.tune.rules.waits import idle_members
 from chorus_tune.tune.values import result_keys as rk
 from chorus_tune.tune.values.options import BucketOptions
 from chorus_tune.tune.values.plan import Plan
+from chorus_tune.tune.values.protocol import task_id
 
 __all__ = ["BucketActor", "ChorusBucket", "MemberError", "STATUS_LINE"]
 
@@ -76,6 +78,8 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
         resources = dict(options.resources_per_bucket or ())
         torch.set_num_threads(bucket_threads(resources))
         task = cloudpickle.loads(task_blob)
+        # Its data from the sweep's shared copy, once one process has loaded it.
+        load_task_data(task, task_id(task_blob), pool)
         self.name, self.model_name, self.options, self._pool = name, model_name, options, pool
         # An "auto" bucket_size's fit, in every result: the size is the fit's k.
         self.capacity_fit = {} if capacity_fit is None else {rk.CAPACITY_FIT: dict(capacity_fit)}

@@ -100,6 +100,9 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         self.placement: Placement | None = None
         self.tasks: dict[str, Any] = {}
         self.blobs: dict[str, bytes] = {}
+        # task id -> [the object ref of its loaded data], copied from the first
+        # process that offered it (actors/shared_data.py); this actor owns it.
+        self.data_refs: dict[str, list] = {}
         self.handles: dict[str, Any] = {}
         # Every group key seen, to itself. Read its fields by name (key.options);
         # the map only keeps index reads of older code working.
@@ -153,6 +156,22 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
             self.tasks[task_id_] = cloudpickle.loads(task_blob)
             self.blobs[task_id_] = task_blob
         return True
+
+    async def shared_data(self, task_id_: str) -> list:
+        """The sweep's copy of the task's loaded data: ``[ref]``, or ``[]`` before a process offered one."""
+        return list(self.data_refs.get(task_id_, ()))
+
+    async def offer_data(self, task_id_: str, refs: list) -> None:
+        """Keep a copy of the task's loaded data (``[ref]``: the offering
+        process's object) as this actor's own object, so that it outlives that
+        process; the first offer is kept."""
+        if task_id_ in self.data_refs:
+            return
+        value = await refs[0]
+        if task_id_ not in self.data_refs:
+            # Off the event loop: a put copies the whole data set.
+            own = await asyncio.get_running_loop().run_in_executor(None, ray.put, value)
+            self.data_refs[task_id_] = [own]
 
     def _key(self, task_id_: str, options: BucketOptions, config: dict) -> GroupKey:
         if self.placement is None:

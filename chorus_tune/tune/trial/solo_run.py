@@ -31,7 +31,12 @@ def _task(task_blob: bytes, task_id: str) -> Any:
     if task is None:
         import ray.cloudpickle as cloudpickle
 
+        from chorus_tune.tune.actors.shared_data import load_task_data
+        from chorus_tune.tune.client import get_pool
+
         task = _TASKS[task_id] = cloudpickle.loads(task_blob)
+        # Its data from the sweep's shared copy, once one process has loaded it.
+        load_task_data(task, task_id, get_pool(create=False))
     return task
 
 
