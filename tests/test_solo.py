@@ -125,3 +125,9 @@ def test_data_made_on_another_device_or_as_a_dataset_stays_in_its_process():
     train, val = mlp_task().load_data()
     assert not may_share(lambda: None, (on_device, val))
     assert not may_share(lambda: None, (train, Dataset()))
+
+
+def test_the_pool_loads_a_tasks_data_ahead_only_on_a_cluster_without_gpus():
+    from chorus_tune.tune.rules.shared_data import pool_preloads
+
+    assert pool_preloads({"CPU": 2}) and not pool_preloads({"CPU": 16, "GPU": 1})

@@ -108,14 +108,17 @@ def _counted_digits(path):
     import models  # pickled by value (tune_support registers it): workers cannot import it
 
     def load():
+        import os
+
         with open(path, "a") as f:
-            f.write("loaded\n")
+            f.write(f"loaded {os.getpid()}\n")
         return models.digits(512, 256)
     return load
 
 
 def test_a_callables_data_is_loaded_once_per_sweep_and_shared_with_later_processes(tmp_path):
     from chorus_tune import Task
+    from chorus_tune.tune.client import get_pool
     from tune_support import digits, mlp
 
     counter = tmp_path / "loads.txt"
@@ -130,7 +133,37 @@ def test_a_callables_data_is_loaded_once_per_sweep_and_shared_with_later_process
     ).fit()
     assert not results.errors and len(results) == 3
     assert all(result.metrics[rk.SOLO] for result in results)
-    assert counter.read_text().count("loaded") == 1
+    # On this CPU-only cluster the pool loaded it, as it learnt the task.
+    [line] = counter.read_text().splitlines()
+    pool_pid = ray.get(get_pool().__ray_call__.remote(lambda pool: __import__("os").getpid()))
+    assert line == f"loaded {pool_pid}"
     for result in results:  # the shared copy trains as the member's own load would
         ref, _ = reference.train(Task(model=mlp, data=digits, batch_size=64), dict(result.config), result.metrics[rk.SEED], ITERATIONS)
         assert history(result) == pytest.approx([h["val_loss"] for h in ref], rel=1e-5, abs=1e-6)
+
+
+@ray.remote(num_cpus=0)
+def _load_in_a_process(task_blob, task_id):
+    import ray.cloudpickle as cloudpickle
+
+    from chorus_tune.tune.actors.shared_data import load_task_data
+    from chorus_tune.tune.client import get_pool
+
+    task = cloudpickle.loads(task_blob)
+    load_task_data(task, task_id, get_pool(create=False))
+    train, _ = task.load_data()
+    return float(train.tensors[0].sum())
+
+
+def test_where_the_pool_has_not_loaded_a_tasks_data_the_first_process_offers_it_to_the_next(tmp_path):
+    # What a GPU cluster does (the pool loads nothing there): the pool never learnt this task.
+    from chorus_tune import Task
+    from chorus_tune.tune.client import get_pool
+    from tune_support import mlp
+
+    get_pool(create=True)
+    counter = tmp_path / "loads.txt"
+    blob = ray.cloudpickle.dumps(Task(model=mlp, data=_counted_digits(str(counter)), batch_size=64))
+    first = ray.get(_load_in_a_process.remote(blob, "offered-task"))
+    second = ray.get(_load_in_a_process.remote(blob, "offered-task"))
+    assert first == second and counter.read_text().count("loaded") == 1

@@ -29,6 +29,7 @@ import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
 from chorus_tune.tune.actors.pool_buckets import BucketLifecycle
+from chorus_tune.tune.actors.shared_data import DataCopies
 from chorus_tune.tune.actors.pool_inspection import Inspection
 from chorus_tune.tune.actors.pool_leaving import Departures
 from chorus_tune.tune.actors.pool_regroup import Regrouping
@@ -45,6 +46,7 @@ from chorus_tune.tune.rules.resources import bucket_budget, bucket_resources
 from chorus_tune.tune.rules.run_stops import RunStops
 from chorus_tune.tune.rules.scouts import Scouts
 from chorus_tune.tune.rules.seat_book import SeatBook
+from chorus_tune.tune.rules.shared_data import pool_preloads
 from chorus_tune.tune.rules.solo import is_solo_key
 from chorus_tune.tune.values.options import BucketOptions, RungSchedule
 from chorus_tune.tune.values.protocol import NAMESPACE, bucket_prefix
@@ -100,9 +102,8 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         self.placement: Placement | None = None
         self.tasks: dict[str, Any] = {}
         self.blobs: dict[str, bytes] = {}
-        # task id -> [the object ref of its loaded data], copied from the first
-        # process that offered it (actors/shared_data.py); this actor owns it.
-        self.data_refs: dict[str, list] = {}
+        # Each task's loaded data, one copy for the sweep's processes (shared_data.py).
+        self.data = DataCopies()
         self.handles: dict[str, Any] = {}
         # Every group key seen, to itself. Read its fields by name (key.options);
         # the map only keeps index reads of older code working.
@@ -155,23 +156,17 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
                 return False
             self.tasks[task_id_] = cloudpickle.loads(task_blob)
             self.blobs[task_id_] = task_blob
+            if pool_preloads(ray.cluster_resources()):
+                self.data.preload(task_id_, self.tasks[task_id_], task_blob)
         return True
 
     async def shared_data(self, task_id_: str) -> list:
-        """The sweep's copy of the task's loaded data: ``[ref]``, or ``[]`` before a process offered one."""
-        return list(self.data_refs.get(task_id_, ()))
+        """The sweep's copy of the task's loaded data: ``[ref]``, or ``[]`` when there is none (yet)."""
+        return await self.data.get(task_id_)
 
     async def offer_data(self, task_id_: str, refs: list) -> None:
-        """Keep a copy of the task's loaded data (``[ref]``: the offering
-        process's object) as this actor's own object, so that it outlives that
-        process; the first offer is kept."""
-        if task_id_ in self.data_refs:
-            return
-        value = await refs[0]
-        if task_id_ not in self.data_refs:
-            # Off the event loop: a put copies the whole data set.
-            own = await asyncio.get_running_loop().run_in_executor(None, ray.put, value)
-            self.data_refs[task_id_] = [own]
+        """Keep a copy of the task's loaded data a process offers (``[ref]``); the first is kept."""
+        await self.data.offer(task_id_, refs)
 
     def _key(self, task_id_: str, options: BucketOptions, config: dict) -> GroupKey:
         if self.placement is None:

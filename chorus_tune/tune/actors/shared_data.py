@@ -1,19 +1,26 @@
 """A task's data, loaded once per sweep and shared through Ray's object store
-(docs/design.md D2; which data: rules/shared_data.py).
+(docs/design.md D2; which data, and when the pool loads it: rules/shared_data.py).
 
-The first process that loads a task's data offers it to the pool, which
-keeps a copy as an object of its own: an object lives only as long as the
-process that put it (a solo trial's ends with its trial; Ray 2.56 removed
-``ray.put(_owner=)``). A later process asks the pool first and fetches the
-copy.
-Two processes that start together may both load: the pool keeps the first
-copy offered. Every call to the pool or the store is bounded: a process that
-cannot reach either loads the data itself, as it did before sharing, and
-a data callable that raises raises again where the core first reads the
-data (the member's error, as before sharing).
+Two ways a copy reaches the pool's :class:`DataCopies`:
+
+- on a machine without GPUs, the pool loads it itself as it learns the task
+  (in a thread: it has the task and torch already), while the first bucket
+  processes start: measured on the 32-trial FIFO sweep (2 cores), a bucket
+  process took 4.3 s from the pool's call to its ``__init__`` and then 1.7 s
+  loading the data, each of the two buckets the same data at once;
+- otherwise, the first process that loads it offers it (:func:`load_task_data`).
+
+The pool keeps each copy as an object of its own: an object lives only as
+long as the process that put it (a solo trial's ends with its trial; Ray
+2.56 removed ``ray.put(_owner=)``). A process asks the pool first (waiting for
+a load in progress) and fetches the copy. Every call to the pool or the store
+is bounded: a process that cannot reach either loads the data itself, as it
+did before sharing, and a data callable that raises raises again where the
+core first reads the data (the member's error, as before sharing).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -23,8 +30,8 @@ from chorus_tune.tune.rules.shared_data import may_share
 
 logger = logging.getLogger(__name__)
 
-# Bounds the ask and the fetch: a few ms each when the pool and the store answer.
-ASK_TIMEOUT_S = 10.0
+# Bounds the ask (which waits for the pool's own load in progress) and the fetch.
+ASK_TIMEOUT_S = 60.0
 FETCH_TIMEOUT_S = 60.0
 
 
@@ -51,3 +58,56 @@ def load_task_data(task: Any, task_id: str, pool: Any) -> None:
         ray.get(pool.offer_data.remote(task_id, [ray.put(loaded)]), timeout=FETCH_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - the next process loads its own
         logger.info("task %s: its data could not be offered to the sweep (%s)", task_id, exc)
+
+
+def _load(task_blob: bytes) -> Any:
+    """In a thread of the pool: the task's data from a copy of the task of its
+    own (the pool's task keeps no data: it only prices padding)."""
+    import ray.cloudpickle as cloudpickle
+
+    task = cloudpickle.loads(task_blob)
+    loaded = task.load_data()
+    return ray.put(loaded) if may_share(task.data, loaded) else None
+
+
+class DataCopies:
+    """The pool's copies of its tasks' loaded data: ``task id -> [ref]``."""
+
+    def __init__(self) -> None:
+        self._refs: dict[str, list] = {}
+        self._loading: dict[str, asyncio.Future] = {}
+
+    def preload(self, task_id: str, task: Any, task_blob: bytes) -> None:
+        """Load the task's data in a thread of this process, unless it is loaded or loading."""
+        if task_id in self._refs or task_id in self._loading or not callable(task.data):
+            return
+        loading = asyncio.get_running_loop().run_in_executor(None, _load, task_blob)
+        self._loading[task_id] = loading
+        loading.add_done_callback(lambda done: self._loaded(task_id, done))
+
+    def _loaded(self, task_id: str, done: asyncio.Future) -> None:
+        self._loading.pop(task_id, None)
+        if done.cancelled():
+            return
+        if done.exception() is not None:
+            # The processes load it themselves; the error reaches the member there.
+            logger.info("task %s: the pool could not load its data (%s)", task_id, done.exception())
+        elif done.result() is not None:
+            self._refs.setdefault(task_id, [done.result()])
+
+    async def get(self, task_id: str) -> list:
+        """``[ref]`` of the task's data, waiting for a load in progress; ``[]`` if there is none."""
+        loading = self._loading.get(task_id)
+        if loading is not None:
+            await asyncio.wait([loading])
+        return list(self._refs.get(task_id, ()))
+
+    async def offer(self, task_id: str, refs: list) -> None:
+        """Keep a copy of ``refs[0]`` (a process's object) as this process's own; the first copy is kept."""
+        if task_id in self._refs:
+            return
+        value = await refs[0]
+        if task_id not in self._refs:
+            # Off the event loop: a put copies the whole data set.
+            own = await asyncio.get_running_loop().run_in_executor(None, ray.put, value)
+            self._refs[task_id] = [own]

@@ -12,10 +12,15 @@ travels as it is:
   stays in the process (and on the device) that made it, and any other
   ``Dataset`` (a loader's, which may hold file handles or workers) loads in
   each process as before.
+
+Where the pool loads it itself, ahead of the buckets (:func:`pool_preloads`):
+on a cluster without GPUs. There every process that trains would load it on
+the CPU anyway; on a GPU cluster a callable may make its data on the
+device that trains it, which a copy made on the pool's CPU would bypass.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 
 def may_share(data: Any, loaded: tuple) -> bool:
@@ -28,3 +33,8 @@ def _on_cpu_tensors(split: Any) -> bool:
     tensors = getattr(split, "tensors", None)
     return isinstance(tensors, tuple) and bool(tensors) and all(
         getattr(getattr(t, "device", None), "type", None) == "cpu" for t in tensors)
+
+
+def pool_preloads(cluster: Mapping[str, float]) -> bool:
+    """Whether the pool loads a task's data as it learns the task (see the module)."""
+    return cluster.get("GPU", 0) <= 0
