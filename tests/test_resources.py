@@ -9,6 +9,7 @@ from chorus_tune.tune.rules.resources import (
     default_bucket_resources,
     pick_device,
     shared_threads,
+    training_buckets,
     trial_token_cpu,
 )
 from chorus_tune.tune.values.options import BucketOptions, RungSchedule, derived_seed, member_seed
@@ -93,6 +94,16 @@ def test_buckets_share_the_cores_of_their_own_node_not_the_clusters():
     threads = shared_threads({"a": 2.0, "b": 8.0}, {"x": "a", "y": "a", "z": "b", "starting": None})
     # Two buckets on the 2-core node, one on the 8-core node; one still starting keeps its own.
     assert threads == {"x": 1, "y": 1, "z": 8}
+
+
+def test_the_buckets_with_members_to_train_share_the_cores_not_those_only_waiting_to_be_read():
+    assert training_buckets(["done", "busy"], lambda b: b == "busy") == ["busy"]
+    # A lone training bucket on a 2-core node gets both cores.
+    assert shared_threads({"a": 2.0}, {"busy": "a"}) == {"busy": 2}
+
+
+def test_when_no_bucket_has_members_every_bucket_shares_the_cores():
+    assert training_buckets(["x", "y"], lambda b: False) == ["x", "y"]
 
 
 # Issue 40 item 5: Ray's view of the CPUs matches the cores the buckets compute

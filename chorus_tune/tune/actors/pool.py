@@ -105,6 +105,7 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         # Each task's loaded data, one copy for the sweep's processes (shared_data.py).
         self.data = DataCopies()
         self.handles: dict[str, Any] = {}
+        self._threads_sent: dict[str, int] = {}  # bucket -> the threads it was last told to use (_share_cores)
         # Every group key seen, to itself. Read its fields by name (key.options);
         # the map only keeps index reads of older code working.
         self.key_info: dict[GroupKey, GroupKey] = {}
@@ -272,6 +273,8 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         self._realize_all(update.placed)
         for name in update.idle:
             asyncio.get_running_loop().create_task(self._close_if_idle(name))
+        if update.idle or update.placed:
+            self._share_cores()  # the cores go to the buckets with members to train
 
     async def _watch_job(self) -> None:
         # Detached, so nothing else ends the pool: it ends with the job that made it.

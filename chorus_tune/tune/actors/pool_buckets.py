@@ -17,7 +17,7 @@ from chorus_tune.tune.actors.cluster import node_cpus
 from chorus_tune.tune.rules.closing import idle_close_s, stays_idle
 from chorus_tune.tune.rules.opening import actor_options, new_bucket_options
 from chorus_tune.tune.rules.placement import Placed
-from chorus_tune.tune.rules.resources import shared_threads
+from chorus_tune.tune.rules.resources import shared_threads, training_buckets
 from chorus_tune.tune.values.protocol import NAMESPACE
 
 # The pool's one log: its _start sends it to the actor's own stdout.
@@ -181,10 +181,16 @@ class BucketLifecycle:
             self._closing.end(name)
 
     def _share_cores(self) -> None:
-        """On a CPU-only machine with default bucket resources, the open buckets
-        share every core: a lone bucket (one bucket of 32, say) then uses both
-        cores of a 2-core machine instead of idling one. Buckets given explicit
-        resources keep the threads their CPU share says."""
+        """On a CPU-only machine with default bucket resources, the buckets that
+        train share every core: a lone bucket (one bucket of 32, say) then uses
+        both cores of a 2-core machine instead of idling one, and so does the
+        last bucket still training once the others' members have finished
+        (measured on the 4-width sweep: its wide bucket of 16 trained an epoch
+        in 2.3 s on 2 threads against 3.8-4.1 s on 1, while the narrow bucket,
+        done, waited one core away for its trials to read it). A bucket with no
+        member to train keeps its threads until one comes (it computes
+        nothing). Buckets given explicit resources keep the threads their CPU
+        share says. Only changes are sent."""
         if ray.cluster_resources().get("GPU", 0) > 0:
             return
         shared = [n for n, h in self.handles.items() if n in self.placement.buckets
@@ -192,9 +198,15 @@ class BucketLifecycle:
         if not shared:
             return
         # Per node: a bucket shares the cores of the node it runs on, not the cluster's.
-        nodes = {name: self.history.node_of(name) for name in shared}
+        nodes = {name: self.history.node_of(name) for name in training_buckets(shared, self._has_members)}
         for name, threads in shared_threads(node_cpus(), nodes).items():
-            self.handles[name].set_threads.remote(threads)
+            if self._threads_sent.get(name) != threads:
+                self._threads_sent[name] = threads
+                self.handles[name].set_threads.remote(threads)
+
+    def _has_members(self, name: str) -> bool:
+        record = self.placement.buckets.get(name)
+        return record is not None and bool(record.members)
 
     async def bucket_started(self, name: str, where: dict) -> None:
         """Bucket ``name`` runs: ``where`` holds its ``node_id``, ``device``,

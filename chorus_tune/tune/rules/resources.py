@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 # Ray accounts resources in units of 1e-4.
 _GRANULE = 1e-4
@@ -162,3 +162,12 @@ def shared_threads(node_cpus: Mapping[str, float], bucket_nodes: Mapping[str, st
             by_node.setdefault(node, []).append(bucket)
     return {bucket: max(1, int(node_cpus[node]) // len(buckets))
             for node, buckets in by_node.items() for bucket in buckets}
+
+
+def training_buckets(buckets: Iterable[str], has_members: Callable[[str], bool]) -> list[str]:
+    """The buckets that share their node's cores (:func:`shared_threads`):
+    those with members to train, or all of them when none has. A bucket whose
+    members have all finished waits only for its trials to read it; a thread
+    it kept would sit idle beside a bucket still training."""
+    buckets = list(buckets)
+    return [b for b in buckets if has_members(b)] or buckets
