@@ -119,6 +119,7 @@ def _counted_digits(path):
 def test_a_callables_data_is_loaded_once_per_sweep_and_shared_with_later_processes(tmp_path):
     from chorus_tune import Task
     from chorus_tune.tune.client import get_pool
+
     from tune_support import digits, mlp
 
     counter = tmp_path / "loads.txt"
@@ -138,7 +139,8 @@ def test_a_callables_data_is_loaded_once_per_sweep_and_shared_with_later_process
     pool_pid = ray.get(get_pool().__ray_call__.remote(lambda pool: __import__("os").getpid()))
     assert line == f"loaded {pool_pid}"
     for result in results:  # the shared copy trains as the member's own load would
-        ref, _ = reference.train(Task(model=mlp, data=digits, batch_size=64), dict(result.config), result.metrics[rk.SEED], ITERATIONS)
+        own = Task(model=mlp, data=digits, batch_size=64)
+        ref, _ = reference.train(own, dict(result.config), result.metrics[rk.SEED], ITERATIONS)
         assert history(result) == pytest.approx([h["val_loss"] for h in ref], rel=1e-5, abs=1e-6)
 
 
@@ -159,6 +161,7 @@ def test_where_the_pool_has_not_loaded_a_tasks_data_the_first_process_offers_it_
     # What a GPU cluster does (the pool loads nothing there): the pool never learnt this task.
     from chorus_tune import Task
     from chorus_tune.tune.client import get_pool
+
     from tune_support import mlp
 
     get_pool(create=True)

@@ -29,11 +29,11 @@ import ray.cloudpickle as cloudpickle
 from ray.exceptions import RayActorError
 
 from chorus_tune.tune.actors.pool_buckets import BucketLifecycle
-from chorus_tune.tune.actors.shared_data import DataCopies
 from chorus_tune.tune.actors.pool_inspection import Inspection
 from chorus_tune.tune.actors.pool_leaving import Departures
 from chorus_tune.tune.actors.pool_regroup import Regrouping
 from chorus_tune.tune.actors.pool_seating import Seating
+from chorus_tune.tune.actors.shared_data import DataCopies
 from chorus_tune.tune.actors.sizing import fit_summary, measure_bucket_size
 from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
 from chorus_tune.tune.rules.bucket_history import BucketHistory
