@@ -161,13 +161,13 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
                 self.data.preload(task_id_, self.tasks[task_id_], task_blob)
         return True
 
-    async def shared_data(self, task_id_: str) -> list:
-        """The sweep's copy of the task's loaded data: ``[ref]``, or ``[]`` when there is none (yet)."""
-        return await self.data.get(task_id_)
+    async def shared_data(self, task_id_: str, node: str) -> list:
+        """The copy of the task's loaded data made on ``node``: ``[ref]``, or ``[]`` when there is none (yet)."""
+        return await self.data.get(task_id_, node)
 
-    async def offer_data(self, task_id_: str, refs: list) -> None:
-        """Keep a copy of the task's loaded data a process offers (``[ref]``); the first is kept."""
-        await self.data.offer(task_id_, refs)
+    async def offer_data(self, task_id_: str, node: str, refs: list) -> None:
+        """Keep a copy of the task's loaded data a process on ``node`` offers (``[ref]``); the first is kept."""
+        await self.data.offer(task_id_, node, refs)
 
     def _key(self, task_id_: str, options: BucketOptions, config: dict) -> GroupKey:
         if self.placement is None:

@@ -10,7 +10,10 @@ Two ways a copy reaches the pool's :class:`DataCopies`:
   loading the data, each of the two buckets the same data at once;
 - otherwise, the first process that loads it offers it (:func:`load_task_data`).
 
-The pool keeps each copy as an object of its own: an object lives only as
+Copies are kept per node: a process fetches only a copy made on its own
+node (on a cluster, each node loads its own, as a data callable that reads
+node-local files expects, and nothing crosses the network). The pool keeps
+each copy as an object of its own: an object lives only as
 long as the process that put it (a solo trial's ends with its trial; Ray
 2.56 removed ``ray.put(_owner=)``). A process asks the pool first (waiting for
 a load in progress) and fetches the copy. Every call to the pool or the store
@@ -40,8 +43,9 @@ def load_task_data(task: Any, task_id: str, pool: Any) -> None:
     shared copy, or load it here and offer it to ``pool`` for the next process."""
     if pool is None or not callable(task.data) or task._loaded is not None:
         return
+    node = ray.get_runtime_context().get_node_id()
     try:
-        refs = ray.get(pool.shared_data.remote(task_id), timeout=ASK_TIMEOUT_S)
+        refs = ray.get(pool.shared_data.remote(task_id, node), timeout=ASK_TIMEOUT_S)
         if refs:
             task._loaded = ray.get(refs[0], timeout=FETCH_TIMEOUT_S)
             return
@@ -55,7 +59,7 @@ def load_task_data(task: Any, task_id: str, pool: Any) -> None:
         return
     try:
         # Waited for: this process owns the object until the pool has copied it.
-        ray.get(pool.offer_data.remote(task_id, [ray.put(loaded)]), timeout=FETCH_TIMEOUT_S)
+        ray.get(pool.offer_data.remote(task_id, node, [ray.put(loaded)]), timeout=FETCH_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - the next process loads its own
         logger.info("task %s: its data could not be offered to the sweep (%s)", task_id, exc)
 
@@ -71,7 +75,8 @@ def _load(task_blob: bytes) -> Any:
 
 
 class DataCopies:
-    """The pool's copies of its tasks' loaded data: ``task id -> [ref]``."""
+    """The pool's copies of its tasks' loaded data: ``(task id, node id) -> [ref]``
+    (its own loads are kept under its own node)."""
 
     def __init__(self) -> None:
         self._refs: dict[str, list] = {}
@@ -79,35 +84,39 @@ class DataCopies:
 
     def preload(self, task_id: str, task: Any, task_blob: bytes) -> None:
         """Load the task's data in a thread of this process, unless it is loaded or loading."""
-        if task_id in self._refs or task_id in self._loading or not callable(task.data):
+        key = (task_id, ray.get_runtime_context().get_node_id())
+        if key in self._refs or key in self._loading or not callable(task.data):
             return
         loading = asyncio.get_running_loop().run_in_executor(None, _load, task_blob)
-        self._loading[task_id] = loading
-        loading.add_done_callback(lambda done: self._loaded(task_id, done))
+        self._loading[key] = loading
+        loading.add_done_callback(lambda done: self._loaded(key, done))
 
-    def _loaded(self, task_id: str, done: asyncio.Future) -> None:
-        self._loading.pop(task_id, None)
+    def _loaded(self, key: tuple, done: asyncio.Future) -> None:
+        self._loading.pop(key, None)
         if done.cancelled():
             return
         if done.exception() is not None:
             # The processes load it themselves; the error reaches the member there.
-            logger.info("task %s: the pool could not load its data (%s)", task_id, done.exception())
+            logger.info("task %s: the pool could not load its data (%s)", key[0], done.exception())
         elif done.result() is not None:
-            self._refs.setdefault(task_id, [done.result()])
+            self._refs.setdefault(key, [done.result()])
 
-    async def get(self, task_id: str) -> list:
-        """``[ref]`` of the task's data, waiting for a load in progress; ``[]`` if there is none."""
-        loading = self._loading.get(task_id)
+    async def get(self, task_id: str, node: str) -> list:
+        """``[ref]`` of the task's data made on ``node``, waiting for a load in
+        progress there; ``[]`` if there is none."""
+        loading = self._loading.get((task_id, node))
         if loading is not None:
             await asyncio.wait([loading])
-        return list(self._refs.get(task_id, ()))
+        return list(self._refs.get((task_id, node), ()))
 
-    async def offer(self, task_id: str, refs: list) -> None:
-        """Keep a copy of ``refs[0]`` (a process's object) as this process's own; the first copy is kept."""
-        if task_id in self._refs:
+    async def offer(self, task_id: str, node: str, refs: list) -> None:
+        """Keep a copy of ``refs[0]`` (a process's object, on ``node``) as this
+        process's own; the first copy per node is kept."""
+        key = (task_id, node)
+        if key in self._refs:
             return
         value = await refs[0]
-        if task_id not in self._refs:
+        if key not in self._refs:
             # Off the event loop: a put copies the whole data set.
             own = await asyncio.get_running_loop().run_in_executor(None, ray.put, value)
-            self._refs[task_id] = [own]
+            self._refs[key] = [own]
