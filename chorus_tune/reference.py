@@ -52,6 +52,7 @@ class ReferenceRun:
         self.task, self.device = task, torch.device(device)
         spec = MemberSpec.read(task, config, resolve_seed(config, seed))
         self.seed, self.hp, self.label_smoothing = spec.seed, spec.hp, spec.label_smoothing
+        self.family = spec.family
         self.model = task.build_model(config, self.seed)
         task.check_model(self.model)  # the checks a bucket makes of its first member
         self.model = self.model.to(self.device)

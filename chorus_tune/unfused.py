@@ -27,7 +27,6 @@ import torch
 from torch import nn
 
 from .bucket_values import STATE_FORMAT
-from .member_spec import MemberSpec
 from .member_state import check_member_state, check_state_fits
 from .optim import optimizer_family
 from .reference import ReferenceRun
@@ -55,7 +54,7 @@ class UnfusedMember:
             seed = int(state["seed"])
         self.task, self.config = task, dict(config)
         self._run = ReferenceRun(task, self.config, seed)
-        self.family = MemberSpec.read(task, self.config, self._run.seed).family
+        self.family = self._run.family
         if state is not None:
             self._load(state)
 
@@ -104,7 +103,7 @@ def torch_optimizer_state(family: str, optimizer: torch.optim.Optimizer, model: 
     """``optimizer.state_dict()`` with the per-parameter state of a member
     state's ``saved`` optimizer state (``StackedOptimizer.member_state``) for
     ``model``'s parameters; ``momentum`` is the member's (SGD keeps a buffer only with it)."""
-    optimizer_family(family)  # an unknown family raises here, naming the known ones
+    spec = optimizer_family(family)  # an unknown family raises here, naming the known ones
     out = optimizer.state_dict()
     # A state_dict numbers the parameters in the order of its groups' params.
     index = {id(p): i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
@@ -112,13 +111,14 @@ def torch_optimizer_state(family: str, optimizer: torch.optim.Optimizer, model: 
     state: dict[int, dict[str, Any]] = {}
     for name, p in model.named_parameters():
         tensors, i = saved["tensors"][name], index[id(p)]
-        if family == "sgd":
-            # torch.optim.SGD keeps a buffer only with momentum on, and only once it has one.
+        if spec.lazy_state:
+            # SGD: torch keeps a buffer only with momentum on, and only once it has one.
             if momentum != 0 and saved.get("has_buffer", step > 0):
-                state[i] = {"momentum_buffer": tensors["momentum_buffer"].clone()}
-        elif step > 0:  # adam, adamw: no state before the first step
-            state[i] = {"step": torch.tensor(float(step)), "exp_avg": tensors["exp_avg"].clone(),
-                        "exp_avg_sq": tensors["exp_avg_sq"].clone()}
+                state[i] = {n: tensors[n].clone() for n in spec.state_names}
+        elif step > 0:  # torch.optim keeps no state before a parameter's first step
+            state[i] = {n: tensors[n].clone() for n in spec.state_names}
+            if spec.reads_steps:  # Adam's step count, per parameter in torch
+                state[i]["step"] = torch.tensor(float(step))
     out["state"] = state
     return out
 
