@@ -106,6 +106,7 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         self.data = DataCopies()
         self.handles: dict[str, Any] = {}
         self._threads_sent: dict[str, int] = {}  # bucket -> the threads it was last told to use (_share_cores)
+        self._training_shared: frozenset = frozenset()  # the buckets with members when cores were last shared
         # Every group key seen, to itself. Read its fields by name (key.options);
         # the map only keeps index reads of older code working.
         self.key_info: dict[GroupKey, GroupKey] = {}
@@ -274,7 +275,7 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         for name in update.idle:
             asyncio.get_running_loop().create_task(self._close_if_idle(name))
         if update.idle or update.placed:
-            self._share_cores()  # the cores go to the buckets with members to train
+            self._share_cores_if_training_changed()  # the cores go to the buckets with members to train
 
     async def _watch_job(self) -> None:
         # Detached, so nothing else ends the pool: it ends with the job that made it.

@@ -191,6 +191,7 @@ class BucketLifecycle:
         member to train keeps its threads until one comes (it computes
         nothing). Buckets given explicit resources keep the threads their CPU
         share says. Only changes are sent."""
+        self._training_shared = self._training_now()
         if ray.cluster_resources().get("GPU", 0) > 0:
             return
         shared = [n for n, h in self.handles.items() if n in self.placement.buckets
@@ -203,6 +204,17 @@ class BucketLifecycle:
             if self._threads_sent.get(name) != threads:
                 self._threads_sent[name] = threads
                 self.handles[name].set_threads.remote(threads)
+
+    def _share_cores_if_training_changed(self) -> None:
+        """:meth:`_share_cores` after a placement change, only when the set of
+        buckets with members to train changed: it asks the cluster for its
+        resources and nodes (two GCS calls), and placement changes come with
+        every member in and out."""
+        if self._training_now() != self._training_shared:
+            self._share_cores()
+
+    def _training_now(self) -> frozenset:
+        return frozenset(name for name in self.handles if self._has_members(name))
 
     def _has_members(self, name: str) -> bool:
         record = self.placement.buckets.get(name)
