@@ -45,9 +45,9 @@ def load_task_data(task: Any, task_id: str, pool: Any) -> None:
         return
     node = ray.get_runtime_context().get_node_id()
     try:
-        refs = ray.get(pool.shared_data.remote(task_id, node), timeout=ASK_TIMEOUT_S)
+        refs = _wait(pool.shared_data.remote(task_id, node), ASK_TIMEOUT_S)
         if refs:
-            task._loaded = ray.get(refs[0], timeout=FETCH_TIMEOUT_S)
+            task._loaded = _wait(refs[0], FETCH_TIMEOUT_S)
             return
     except Exception as exc:  # noqa: BLE001 - a pool or store that fails costs a load here, nothing else
         logger.info("task %s: the shared copy of its data could not be read (%s); loading it here", task_id, exc)
@@ -59,9 +59,17 @@ def load_task_data(task: Any, task_id: str, pool: Any) -> None:
         return
     try:
         # Waited for: this process owns the object until the pool has copied it.
-        ray.get(pool.offer_data.remote(task_id, node, [ray.put(loaded)]), timeout=FETCH_TIMEOUT_S)
+        _wait(pool.offer_data.remote(task_id, node, [ray.put(loaded)]), FETCH_TIMEOUT_S)
     except Exception as exc:  # noqa: BLE001 - the next process loads its own
         logger.info("task %s: its data could not be offered to the sweep (%s)", task_id, exc)
+
+
+def _wait(ref: Any, timeout_s: float) -> Any:
+    """``ref``'s value, waiting at most ``timeout_s``. Through the ref's future
+    rather than ``ray.get``: a bucket is an async actor, and Ray logs a
+    "blocking ray.get inside async actor" warning for any ``ray.get`` in one,
+    from any thread (this wait is in its ``__init__``, where nothing else runs)."""
+    return ref.future().result(timeout=timeout_s)
 
 
 def _load(task_blob: bytes) -> Any:
