@@ -159,10 +159,12 @@ def same_math_mode() -> Iterator[None]:
 
 
 def time_routes(step: Callable[[str], None], routes: list[str], sync: Callable[[], None],
-                repeats: int = TIMING_REPEATS) -> dict[str, float]:
+                reset: Callable[[], None] = lambda: None, repeats: int = TIMING_REPEATS) -> dict[str, float]:
     """Best-of-``repeats`` seconds of ``step(route)`` for each route, interleaved
     (a single timing of each route picked the slow one on a loaded 2-core
-    machine). ``step`` must leave the state as it found it."""
+    machine). ``reset()``, untimed, puts the state back after each step: the
+    put-back costs every route alike, and timed it hid their difference
+    (a copy of every state tensor, about as long as the step itself)."""
     best = {route: float("inf") for route in routes}
     for _ in range(repeats):
         for route in routes:
@@ -171,6 +173,7 @@ def time_routes(step: Callable[[str], None], routes: list[str], sync: Callable[[
             step(route)
             sync()
             best[route] = min(best[route], time.perf_counter() - start)
+            reset()
     return best
 
 
@@ -277,11 +280,7 @@ def decide(choice: RouteChoice, candidates: list[str], groups: list[list[int]],
                     surviving.remove(route)
     choice.nonfinite = sorted(nonfinite)
     if not choice.timed and surviving:
-        def step(route: str) -> None:
-            probe(route, groups[0])
-            reset()
-
-        choice.seconds = time_routes(step, ["eager", *surviving], sync)
+        choice.seconds = time_routes(lambda route: probe(route, groups[0]), ["eager", *surviving], sync, reset)
     if choice.timed:
         timed = {r: s for r, s in choice.seconds.items() if r == "eager" or r in surviving}
         route = min(timed, key=timed.get)

@@ -155,7 +155,7 @@ def vmap_times_faster(monkeypatch):
     newcomer, and a test of what the probe does with one would check nothing."""
     from chorus_tune import route
 
-    monkeypatch.setattr(route, "time_routes", lambda step, routes, sync: {
+    monkeypatch.setattr(route, "time_routes", lambda step, routes, sync, reset=None: {
         r: (0.5 if r == "vmap" else 1.0) for r in routes})
 
 

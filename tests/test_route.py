@@ -109,3 +109,54 @@ def test_the_probe_compares_in_full_float32_and_gives_the_users_math_modes_back(
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def _probed_stack_sizes(monkeypatch) -> list[tuple[str, int]]:
+    """(route, rows of the stack it ran on) for every probe step from now on."""
+    seen: list[tuple[str, int]] = []
+    step = ct.Bucket._probe_step
+
+    def spy(self, route, live):
+        seen.append((route, self.capacity))
+        return step(self, route, live)
+
+    monkeypatch.setattr(ct.Bucket, "_probe_step", spy)
+    return seen
+
+
+def test_the_probe_of_a_partly_filled_bucket_runs_on_its_live_rows_as_training_does(monkeypatch):
+    # Training gathers 2 live members of 4 into a stack of 2 (bucket_iteration.
+    # _trains_gathered); a probe over all 4 rows timed vmap at twice its cost
+    # and settled a bucket of 8 live members of 16 on eager (1.3-1.8x slower).
+    seen = _probed_stack_sizes(monkeypatch)
+    task = mlp_task(iteration_steps=3)
+    bucket = ct.Bucket(task, 4)
+    configs = {bucket.add(c): c for c in (dict(lr=0.05, seed=1), dict(lr=0.02, seed=2))}
+    results = bucket.run_iteration()
+    assert {route for route, _ in seen} == {"eager", "vmap"}
+    assert {rows for _, rows in seen} == {2}
+    for slot, config in configs.items():
+        expected, model = reference.train(task, config)
+        assert math.isclose(results[slot]["val_loss"], expected[0]["val_loss"], rel_tol=1e-5)
+        params_close(bucket.export_model(slot), model, 1e-5)
+
+
+def test_the_probe_of_a_full_bucket_runs_on_the_whole_stack(monkeypatch):
+    seen = _probed_stack_sizes(monkeypatch)
+    bucket = ct.Bucket(mlp_task(iteration_steps=3), 2)
+    for seed in (1, 2):
+        bucket.add(dict(lr=0.05, seed=seed))
+    bucket.run_iteration()
+    assert seen and {rows for _, rows in seen} == {2}
+
+
+def test_the_route_timing_leaves_the_put_back_untimed():
+    import time
+
+    from chorus_tune.route import time_routes
+
+    resets = []
+    seconds = time_routes(lambda route: None, ["eager", "vmap"], sync=lambda: None,
+                          reset=lambda: (resets.append(1), time.sleep(0.02)), repeats=3)
+    assert len(resets) == 6
+    assert all(s < 0.02 for s in seconds.values())
