@@ -6,21 +6,41 @@ only while the padded model costs at most ``factor`` times each member's own
 (the widest shapes are each tensor's largest over the members, so a
 newcomer can raise every member's price).
 
-- ``factor`` is 4 on a CPU, where a fused step is compute-bound and its time
-  grows with the padded cost. A doubling sweep of an MLP pairs neighbours:
-  32 padded to 64 costs 2.6x its own (4x its hidden-to-hidden layer, 2x the
-  others), padded to 128 7.6x.
-- On a GPU a small model's step is bound by kernel launches, not arithmetic,
-  and padding costs nearly nothing: while a member's padded step (``batch x``
-  the padded cost) is at most ``launch_bound_work`` multiply-adds, the factor
-  is ``launch_bound_factor`` (16).
+- ``factor`` (4) where a member's padded step is bound by a step's fixed
+  costs, not its arithmetic: a doubling sweep of an MLP pairs neighbours
+  there (32 padded to 64 costs 2.6x its own: 4x its hidden-to-hidden layer,
+  2x the others; padded to 128, 7.6x).
+- On a CPU, a step is bound by its fixed costs (Python, dispatch, the
+  optimizer's passes) only while a member's padded step (``batch x`` the
+  padded cost) is at most ``cpu_overhead_work`` multiply-adds (2^20); past
+  that, arithmetic bounds it, every padded unit costs its full price, and
+  sharing saves only one stack's fixed cost, so the factor is
+  ``cpu_compute_factor`` (1.25). Measured on the 2-core CPU, one thread,
+  vmap, batch 64, the two-hidden-layer MLP of ``benchmarks/workloads.py``
+  (250 steps and an evaluation an iteration), seconds an iteration:
+
+  =================  ======  ===============  =======
+  members            shared  split (a + b)    padded
+  =================  ======  ===============  =======
+  8 x 32 + 8 x 64    0.78    0.35 + 0.43      563k
+  8 x 64 + 8 x 128   1.49    0.43 + 0.73      1.66M
+  8 x 128 + 8 x 256  3.79    0.73 + 1.64      5.4M
+  =================  ======  ===============  =======
+
+  (padded: multiply-adds of a member's padded step). A member's iteration
+  costs about the same at widths 32 and 64 (25-26 ms: fixed costs) and
+  grows with its multiply-adds beyond (91-103 ms at 128, 205-255 at 256).
+- On a GPU a small model's step is bound by kernel launches, and padding
+  costs nearly nothing: while a member's padded step is at most
+  ``launch_bound_work`` multiply-adds (2^24), the factor is
+  ``launch_bound_factor`` (16); past that, ``factor`` (not yet measured on
+  a card).
 
 The cost is what the caller prices: multiply-adds per sample, from a forward
 on ``meta`` with an input row of the data (``widths.Profile``: a bucket with
 its own data, the pool and the driver through ``widths.PaddingPrices``), else
-parameters. Both numbers above are
-stated, not measured; the rule is one class, so a measured cost model can
-replace it.
+parameters. The rule is one class, so a cost model fitted to a bucket's own
+step timings can replace it.
 
 :class:`WidthGroups` applies the rule to members as they come (the pool's
 grouping, and ``space_split``'s count): each new set of widths joins the
@@ -62,14 +82,24 @@ class Verdict:
 
 @dataclass(frozen=True)
 class WidthRule:
-    """Members share a padded stack while ``padded / own <= limit`` for each."""
+    """Members share a padded stack while ``padded / own <= limit`` for each.
+
+    The limit depends on what bounds a member's padded step (``batch x
+    padded`` multiply-adds): on a GPU, ``launch_bound_factor`` while launches
+    do (it never goes below ``factor``); on a CPU, ``factor`` while the
+    step's fixed costs do and, past ``cpu_overhead_work``,
+    ``cpu_compute_factor`` (never above ``factor``: ``factor`` is the most a
+    member pays wherever arithmetic bounds its step)."""
 
     factor: float = 4
     launch_bound_factor: float = 16
     launch_bound_work: float = 2 ** 24
+    cpu_compute_factor: float = 1.25
+    cpu_overhead_work: float = 2 ** 20
 
     def __post_init__(self) -> None:
-        for name in ("factor", "launch_bound_factor", "launch_bound_work"):
+        for name in ("factor", "launch_bound_factor", "launch_bound_work", "cpu_compute_factor",
+                     "cpu_overhead_work"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 1:
                 raise ValueError(f"WidthRule.{name} must be a number >= 1; got {value!r}")
@@ -77,9 +107,12 @@ class WidthRule:
     def limit(self, device_type: str, batch: int, padded: float) -> float:
         """The largest padded/own factor allowed for members whose padded model
         costs ``padded`` per sample, at ``batch`` rows a step."""
-        if device_type == "cuda" and batch * padded <= self.launch_bound_work:
-            return max(self.factor, self.launch_bound_factor)
-        return self.factor
+        if device_type == "cuda":
+            return max(self.factor, self.launch_bound_factor) if batch * padded <= self.launch_bound_work \
+                else self.factor
+        if batch * padded <= self.cpu_overhead_work:
+            return self.factor
+        return min(self.factor, self.cpu_compute_factor)
 
     def judge(self, own: Sequence[float], padded: float, device_type: str, batch: int) -> Verdict:
         """Whether members of costs ``own`` share a stack padded to cost ``padded``."""
@@ -92,14 +125,15 @@ class WidthRule:
             return Verdict(True, factors, limit)
         return Verdict(False, factors, limit,
                        f"padded to the widest shapes, a member costing {own[worst]:.4g} would cost {padded:.4g} "
-                       f"({factors[worst]:.3g}x its own; the limit on {device_type} is {limit:.3g}x)")
+                       f"({factors[worst]:.3g}x its own; the limit on {device_type} is {limit:.3g}x for a padded "
+                       f"step of {batch * padded:.3g} multiply-adds)")
 
 
 # The rule a bucket follows unless told otherwise.
 DEFAULT_RULE = WidthRule()
 # For a bucket whose members were grouped by the rule already (the pool's WidthGroups):
 # every stack of a group's members is within the limit, so the bucket does not judge again.
-NO_LIMIT = WidthRule(factor=math.inf, launch_bound_factor=math.inf)
+NO_LIMIT = WidthRule(factor=math.inf, launch_bound_factor=math.inf, cpu_compute_factor=math.inf)
 
 
 @dataclass

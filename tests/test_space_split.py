@@ -70,6 +70,7 @@ def test_the_head_widths_of_a_cnn_are_priced_by_their_work_and_do_not_split_it()
         return nn.Sequential(nn.Conv2d(1, 64, 3), nn.ReLU(), nn.Conv2d(64, 16, 3), nn.ReLU(), nn.Flatten(),
                              nn.Linear(16 * 4 * 4, int(config["l1"])), nn.ReLU(), nn.Linear(int(config["l1"]), 10))
 
-    # From 4 to 256 head units: 7x the parameters (which would split), 1.4x the multiply-adds.
-    split = split_of(ct.Task(cnn_head, digits(images=True)), [{"l1": l1} for l1 in (4, 64, 256)])
+    # From 4 to 128 head units: 4.0x the parameters (which would split), 1.19x the multiply-adds
+    # (the convolutions' 168k stay): compute-bound on a CPU, where the limit is 1.25x.
+    split = split_of(ct.Task(cnn_head, digits(images=True)), [{"l1": l1} for l1 in (4, 32, 128)])
     assert (split.structures, split.splitting) == (1, ())

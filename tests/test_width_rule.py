@@ -27,7 +27,8 @@ def test_members_within_the_factor_share_on_a_cpu():
 def test_a_member_past_the_factor_on_a_cpu_does_not_share_and_the_reason_names_its_price():
     verdict = WidthRule().judge([100.0, 500.0], padded=500.0, device_type="cpu", batch=32)
     assert not verdict.shares
-    assert "a member costing 100 would cost 500 (5x its own; the limit on cpu is 4x)" in verdict.reason
+    assert "a member costing 100 would cost 500 (5x its own; the limit on cpu is 4x for a padded step of 1.6e+04 " \
+           "multiply-adds)" in verdict.reason
 
 
 def test_a_launch_bound_step_on_a_gpu_allows_the_larger_factor():
@@ -41,7 +42,31 @@ def test_a_large_step_on_a_gpu_keeps_the_cpu_factor():
     assert not rule.judge([1e4, 1e5], padded=1e5, device_type="cuda", batch=64).shares  # 64 * 1e5 > 1e6
 
 
-@pytest.mark.parametrize("field, value", [("factor", 0.5), ("launch_bound_factor", True), ("factor", "4")])
+def test_an_overhead_bound_step_on_a_cpu_allows_the_factor():
+    # 64 rows x 16k multiply-adds = 1M, within cpu_overhead_work (2^20): padding rides on fixed costs.
+    assert WidthRule().judge([5e3, 16e3], padded=16e3, device_type="cpu", batch=64).shares
+
+
+def test_a_compute_bound_step_on_a_cpu_allows_only_the_compute_factor():
+    # 64 rows x 17k = 1.09M > 2^20: every padded multiply-add costs its full price.
+    verdict = WidthRule().judge([13e3, 17e3], padded=17e3, device_type="cpu", batch=64)
+    assert not verdict.shares and verdict.limit == 1.25
+    assert "the limit on cpu is 1.25x for a padded step of 1.09e+06 multiply-adds" in verdict.reason
+    assert WidthRule().judge([14e3, 17e3], padded=17e3, device_type="cpu", batch=64).shares  # 1.21x
+
+
+def test_the_cpu_compute_factor_never_exceeds_the_factor():
+    assert WidthRule(factor=1, cpu_compute_factor=1.25).limit("cpu", batch=64, padded=1e6) == 1
+
+
+def test_the_compute_bound_cpu_limit_ignores_the_gpu_s_launch_bound():
+    rule = WidthRule(cpu_overhead_work=1e3, launch_bound_work=1e9)
+    assert rule.limit("cpu", batch=10, padded=1e3) == 1.25
+    assert rule.limit("cuda", batch=10, padded=1e3) == 16
+
+
+@pytest.mark.parametrize("field, value", [("factor", 0.5), ("launch_bound_factor", True), ("factor", "4"),
+                                          ("cpu_compute_factor", 0.9), ("cpu_overhead_work", None)])
 def test_a_bad_rule_is_refused(field, value):
     with pytest.raises(ValueError, match=field):
         WidthRule(**{field: value})
@@ -56,12 +81,14 @@ def _hidden(h):
     return {"fc1": (h, 64), "fc2": (h, h), "out": (10, h)}
 
 
-def test_width_groups_pair_neighbours_of_a_doubling_sweep_in_the_order_they_come():
+def test_width_groups_pair_overhead_bound_neighbours_of_a_doubling_sweep_and_split_compute_bound_ones():
     groups = WidthGroups()
     assigned = [groups.assign("mlp", _hidden(h), _params, batch=64) for h in (32, 64, 128, 256)]
-    # 32 padded to 64 costs 2.6x its own, to 128 7.6x; 128 padded to 256 3.3x.
-    assert assigned == [0, 0, 1, 1]
-    assert "7.62x its own; the limit on cpu is 4x" in groups.reasons[("mlp", 1)]
+    # 32 padded to 64 costs 2.6x its own (a padded step of 64 x 8.8k multiply-adds: overhead-bound),
+    # to 128 7.6x; 128 padded to 256 costs 3.3x, but that step (64 x 85k) is compute-bound on a CPU.
+    assert assigned == [0, 0, 1, 2]
+    assert "7.62x its own; the limit on cpu is 1.25x" in groups.reasons[("mlp", 1)]
+    assert "the limit on cpu is 1.25x for a padded step of" in groups.reasons[("mlp", 2)]
 
 
 def test_the_same_widths_always_get_the_same_group_and_other_structures_their_own():
@@ -181,11 +208,12 @@ def test_prices_by_multiply_adds_let_a_cnn_s_head_widths_share_where_parameters_
     from chorus_tune.widths import PaddingPrices
 
     task = ct.Task(_conv_head, _images)
-    # The head from 4 to 64 units: 16x its parameters, 1.2x its multiply-adds per sample.
+    # The head from 4 to 32 units: 6.4x its parameters, 1.15x its multiply-adds per sample (the
+    # convolutions' 416k stay), within the compute-bound CPU limit of 1.25x.
     by_parameters = WidthGroups()
-    assert sharing_key(task, {"l1": 4}, by_parameters) != sharing_key(task, {"l1": 64}, by_parameters)
+    assert sharing_key(task, {"l1": 4}, by_parameters) != sharing_key(task, {"l1": 32}, by_parameters)
     by_work, prices = WidthGroups(), PaddingPrices(task.input_row)
-    assert sharing_key(task, {"l1": 4}, by_work, prices) == sharing_key(task, {"l1": 64}, by_work, prices)
+    assert sharing_key(task, {"l1": 4}, by_work, prices) == sharing_key(task, {"l1": 32}, by_work, prices)
 
 
 def test_the_input_row_is_asked_for_once_and_only_when_a_second_width_comes():

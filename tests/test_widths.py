@@ -238,9 +238,9 @@ def test_widths_that_would_cost_more_than_the_rule_allows_are_refused():
     bucket = ct.Bucket(_sigmoid_task(), capacity=2)
     bucket.add(dict(h1=4, h2=4, seed=1))
     with pytest.raises(ValueError, match=r"a member costing 312 would cost 8.448e\+04 \(271x its own; the limit on "
-                                         r"cpu is 4x\)"):
+                                         r"cpu is 1.25x for a padded step of 2.7e\+06 multiply-adds\)"):
         bucket.add(dict(h1=256, h2=256, seed=2))
-    generous = ct.Bucket(_sigmoid_task(), capacity=2, width_rule=WidthRule(factor=1000))
+    generous = ct.Bucket(_sigmoid_task(), capacity=2, width_rule=WidthRule(factor=1000, cpu_compute_factor=1000))
     generous.add(dict(h1=4, h2=4, seed=1))
     generous.add(dict(h1=256, h2=256, seed=2))
 
