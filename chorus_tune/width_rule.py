@@ -110,6 +110,8 @@ class WidthRule:
         if device_type == "cuda":
             return max(self.factor, self.launch_bound_factor) if batch * padded <= self.launch_bound_work \
                 else self.factor
+        if device_type != "cpu":
+            return self.factor  # another accelerator (mps, xpu): not measured, so the general factor
         if batch * padded <= self.cpu_overhead_work:
             return self.factor
         return min(self.factor, self.cpu_compute_factor)

@@ -55,6 +55,10 @@ def test_a_compute_bound_step_on_a_cpu_allows_only_the_compute_factor():
     assert WidthRule().judge([14e3, 17e3], padded=17e3, device_type="cpu", batch=64).shares  # 1.21x
 
 
+def test_a_device_neither_cpu_nor_cuda_keeps_the_general_factor():
+    assert WidthRule().limit("mps", batch=64, padded=1e6) == 4
+
+
 def test_the_cpu_compute_factor_never_exceeds_the_factor():
     assert WidthRule(factor=1, cpu_compute_factor=1.25).limit("cpu", batch=64, padded=1e6) == 1
 
