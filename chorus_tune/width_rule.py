@@ -89,7 +89,8 @@ class WidthRule:
     do (it never goes below ``factor``); on a CPU, ``factor`` while the
     step's fixed costs do and, past ``cpu_overhead_work``,
     ``cpu_compute_factor`` (never above ``factor``: ``factor`` is the most a
-    member pays wherever arithmetic bounds its step)."""
+    member pays wherever arithmetic bounds its step). Any other device type
+    (``mps``, ``xpu``: not measured) gets ``factor``."""
 
     factor: float = 4
     launch_bound_factor: float = 16
