@@ -108,14 +108,12 @@ class WidthRule:
     def limit(self, device_type: str, batch: int, padded: float) -> float:
         """The largest padded/own factor allowed for members whose padded model
         costs ``padded`` per sample, at ``batch`` rows a step."""
-        if device_type == "cuda":
-            return max(self.factor, self.launch_bound_factor) if batch * padded <= self.launch_bound_work \
-                else self.factor
-        if device_type != "cpu":
-            return self.factor  # another accelerator (mps, xpu): not measured, so the general factor
-        if batch * padded <= self.cpu_overhead_work:
-            return self.factor
-        return min(self.factor, self.cpu_compute_factor)
+        work = batch * padded
+        if device_type == "cuda" and work <= self.launch_bound_work:
+            return max(self.factor, self.launch_bound_factor)
+        if device_type == "cpu" and work > self.cpu_overhead_work:
+            return min(self.factor, self.cpu_compute_factor)
+        return self.factor  # a bigger GPU step, a CPU's overhead-bound one, any other device (not measured)
 
     def judge(self, own: Sequence[float], padded: float, device_type: str, batch: int) -> Verdict:
         """Whether members of costs ``own`` share a stack padded to cost ``padded``."""
