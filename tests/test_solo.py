@@ -65,6 +65,14 @@ def test_a_solo_member_trains_as_the_reference_does():
     assert all(r[rk.SOLO] and r[rk.LIVE] == 1 and r[rk.BUCKET] == "place-1" and r[rk.SEED] == 3 for r in got)
 
 
+def test_a_solo_member_outside_ray_starts_no_ray_node_to_look_for_a_pool():
+    import ray
+
+    assert not ray.is_initialized()
+    _solo(mlp_task()).step()
+    assert not ray.is_initialized()
+
+
 def test_a_solo_members_state_continues_in_a_bucket_as_it_would_have_solo():
     task = mlp_task()
     run = _solo(task)

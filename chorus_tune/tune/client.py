@@ -52,6 +52,10 @@ def _forget_dead_pool(wait_s: float = 10.0) -> None:
 
 def get_pool(create: bool = False, job_id: str | None = None):
     """The pool of this job (creating it when ``create``), or ``None``."""
+    if not create and not ray.is_initialized():
+        # Looking one up must not start a Ray node (``ray.get_runtime_context`` would): a solo
+        # member run outside Ray (a test, a script) has no pool to find.
+        return None
     name = pool_name(job_id)
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
