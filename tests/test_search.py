@@ -68,35 +68,6 @@ def test_by_default_tune_runs_one_trial_per_cpu_and_at_least_the_trials_that_cle
     assert ChorusSearch().max_concurrent == max(CLEAR_AFTER, os.cpu_count() or 1)
 
 
-def test_a_default_concurrency_starts_no_more_trials_than_cores_before_the_first_result():
-    from chorus_tune.tune.search.search import in_flight_limit
-
-    assert in_flight_limit(4, cores=2, seen_result=False, given=False) == 2
-    assert in_flight_limit(4, cores=2, seen_result=True, given=False) == 4
-    assert in_flight_limit(16, cores=16, seen_result=False, given=False) == 16
-    assert in_flight_limit(4, cores=0, seen_result=False, given=False) == 1  # never none at all
-
-
-def test_a_concurrency_asked_for_holds_from_the_start():
-    from chorus_tune.tune.search.search import in_flight_limit
-
-    assert in_flight_limit(4, cores=2, seen_result=False, given=True) == 4
-
-
-def test_the_search_starts_more_trials_once_a_result_came(monkeypatch):
-    import chorus_tune.tune.search.search as search_module
-
-    monkeypatch.setattr(search_module, "_cores", lambda: 2)
-    monkeypatch.setattr(search_module, "_default_concurrency", lambda: 4)
-    s = ChorusSearch(Recorder("A"))
-    s.set_search_properties("m", "max", {}, num_samples=100)
-    assert None not in _suggest(s, ["t0", "t1"]).values()
-    assert s.suggest("t2") is None  # two cores: two trials until results flow
-    s.on_trial_result("t0", {"m": 1})
-    assert None not in _suggest(s, ["t3", "t4"]).values()
-    assert s.suggest("t5") is None  # then the default concurrency, 4
-
-
 def test_members_are_seated_to_clear_an_iteration_on_at_most_the_trials_in_flight_and_in_the_run():
     from chorus_tune.tune.search.search import clear_after
 

@@ -41,29 +41,9 @@ SCOUT_TIMEOUT_S = 60.0
 CLEAR_AFTER = 4
 
 
-def _cores() -> int:
-    return int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else (os.cpu_count() or 1)
-
-
 def _default_concurrency() -> int:
-    return max(CLEAR_AFTER, _cores())
-
-
-def in_flight_limit(max_concurrent: int, cores: int, seen_result: bool, given: bool) -> int:
-    """Trials Tune may run at once now: a default concurrency stays at the
-    cluster's cores until the run's first result, then rises to ``max_concurrent``
-    (one asked for, ``given``, holds from the start).
-
-    Why: every trial Tune starts is a process importing Ray Tune (about 1.2 CPU-s),
-    and the first result waits for the buckets' start (torch's import) on the same
-    cores. Measured (32 x 10 FIFO, 2 cores, one run each, two pairs): starting 2
-    trials first, not 4, brought the first result from 7.3 and 7.7 s to 6.5 and
-    5.8 s, wall time unchanged (18.1/18.1 s, 20.6/20.5 s). The trials past the
-    cores, which clear speculation under stock ASHA (:data:`CLEAR_AFTER`), start
-    once results flow."""
-    if given or seen_result:
-        return max_concurrent
-    return max(1, min(max_concurrent, cores))
+    cpus = int(ray.cluster_resources().get("CPU", 1)) if ray.is_initialized() else (os.cpu_count() or 1)
+    return max(CLEAR_AFTER, cpus)
 
 
 # How far ahead ChorusSearch's own sampler draws, in look-aheads of a search
@@ -194,8 +174,6 @@ class ChorusSearch(ConcurrencyLimiter):
         super().__init__(inner, max_concurrent=max_concurrent_trials or _default_concurrency())
         self._own_sampler = searcher is None
         self._concurrency_given = max_concurrent_trials is not None
-        self._cores = _cores()
-        self._seen_result = False  # the run's first result came (in_flight_limit)
         self.max_iterations = max_iterations
         self._lookahead_given = lookahead
         self.lookahead = max(1, lookahead) if lookahead is not None else 2 * self.bucket_size
@@ -251,8 +229,7 @@ class ChorusSearch(ConcurrencyLimiter):
         return suggestion
 
     def _suggest(self, trial_id: str) -> Optional[Union[Dict, str]]:
-        if len(self.live_trials) >= in_flight_limit(self.max_concurrent, self._cores, self._seen_result,
-                                                    self._concurrency_given):
+        if len(self.live_trials) >= self.max_concurrent:
             return None
         if self._learning and ray.is_initialized():
             if self._scout is None:
@@ -275,7 +252,6 @@ class ChorusSearch(ConcurrencyLimiter):
         return copy.deepcopy(config)
 
     def on_trial_result(self, trial_id: str, result: Dict) -> None:
-        self._seen_result = True
         self._tell_inner("on_trial_result", trial_id, result)
 
     def on_trial_complete(
@@ -319,7 +295,6 @@ class ChorusSearch(ConcurrencyLimiter):
     # -- drawing and seating -------------------------------------------------
     def _size_for_cluster(self) -> None:
         cluster = ray.cluster_resources()
-        self._cores = int(cluster.get("CPU", 1))
         if not self._concurrency_given:
             self.max_concurrent = _default_concurrency()
         if self._lookahead_given is None and self._options is not None:
