@@ -94,6 +94,21 @@ _OBSERVED: dict = {}  # the observed head while it runs: "head", "metrics_port",
 _NEXT_ITEM: dict = {"item": None}  # the test after the one running: whether it still needs that head
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    # A test not marked ``ray`` runs in the Ray-free half of the suite, beside the
+    # Ray tests: one that starts a Ray node there (``ray.get_runtime_context()``,
+    # ``ray.get_actor()``... start one when none runs) competes with theirs, and a
+    # start that timed out under that load failed CI once. It fails here, at once.
+    was_up = ray.is_initialized()
+    outcome = yield
+    if not was_up and ray.is_initialized() and item.get_closest_marker("ray") is None:
+        ray.shutdown()
+        pytest.fail("this test is not marked `ray` (make test-core runs it without Ray) but started "
+                    "a Ray node: mark it, use the local_ray fixture, or keep it from Ray", pytrace=False)
+    return outcome
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_protocol(item, nextitem):
     _NEXT_ITEM["item"] = nextitem
