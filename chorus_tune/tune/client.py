@@ -73,8 +73,6 @@ def retire_trial(trial_id: str, timeout_s: float = 60.0) -> None:
     ``on_trial_result`` when it decides STOP): its slot is freed and the other
     members go on without it. Idempotent; a no-op for a trial that never joined
     or when no pool runs. Its last state stays available to a checkpoint at end."""
-    if not ray.is_initialized():
-        return
     pool = get_pool(create=False)
     if pool is not None:
         ray.get(pool.trial_left.remote(trial_id), timeout=timeout_s)
@@ -85,8 +83,6 @@ def close_idle_buckets(timeout_s: float = 60.0) -> list[str]:
     their ``idle_close_s`` later, and free what they hold (a GPU): for a script
     that needs the device right after a sweep. A bucket still closes only once
     its trials have read every result. Returns their names; ``[]`` when no pool runs."""
-    if not ray.is_initialized():
-        return []
     pool = get_pool(create=False)
     return [] if pool is None else ray.get(pool.close_idle.remote(), timeout=timeout_s)
 
@@ -94,16 +90,12 @@ def close_idle_buckets(timeout_s: float = 60.0) -> list[str]:
 def free_slots(structural_key: Hashable) -> int:
     """Free slots in this run's open buckets of ``structural_key``, a sharing key
     (``chorus_tune.stack.sharing_key``; 0 when no pool runs)."""
-    if not ray.is_initialized():
-        return 0
     pool = get_pool(create=False)
     return 0 if pool is None else ray.get(pool.free_slots.remote(structural_key))
 
 
 def bucket_stats() -> dict[str, dict]:
     """Per bucket of this run's pool: model, capacity, and the trials it fused."""
-    if not ray.is_initialized():
-        return {}
     pool = get_pool(create=False)
     return {} if pool is None else ray.get(pool.stats.remote())
 
