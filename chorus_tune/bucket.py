@@ -9,6 +9,7 @@ from torch import nn
 
 from . import losses
 from .bucket_iteration import IterationRunner
+from .bucket_lone import LoneMember
 from .bucket_padding import PaddedMembers
 from .bucket_route import RouteProbe
 from .bucket_step import FusedStep
@@ -35,7 +36,7 @@ __all__ = ["Bucket", "MemberFailure", "MemberMetricError", "MemberOutOfMemory", 
            "STATE_FORMAT"]
 
 
-class Bucket(PaddedMembers, IterationRunner, FusedStep, RouteProbe):
+class Bucket(PaddedMembers, IterationRunner, LoneMember, FusedStep, RouteProbe):
     """Up to ``capacity`` members that share a structural key, trained as one.
 
     Members come in with :meth:`add` (new) or :meth:`restore` (from a
@@ -103,6 +104,8 @@ class Bucket(PaddedMembers, IterationRunner, FusedStep, RouteProbe):
         self._last_routes: set[str] = set()  # the routes the last iteration's groups took
         self.max_group: int | None = None
         self.oom_recoveries = 0
+        # {slot: (member, UnfusedMember)}: a lone member's unfused copy (bucket_lone.py).
+        self._unfused_runners: dict[int, tuple[Member, Any]] = {}
 
     @property
     def requested_route(self) -> str:
@@ -234,6 +237,7 @@ class Bucket(PaddedMembers, IterationRunner, FusedStep, RouteProbe):
         if 0 <= slot < self.capacity and self.members[slot] is not None:
             self.members[slot] = None
             self.stack.clear(slot)
+            self._forget_unfused(slot)
 
     def member_state(self, slot: int) -> dict[str, Any]:
         """Everything that makes this member itself, portable to any slot of
@@ -277,4 +281,5 @@ class Bucket(PaddedMembers, IterationRunner, FusedStep, RouteProbe):
         self.optimizer.select(live, self.stack.params)
         self.members = [self.members[k] for k in live]
         self.capacity = len(live)
+        self._forget_unfused()
         return {old: new for new, old in enumerate(live)}

@@ -18,6 +18,7 @@ from .bucket_values import (
     describe_error,
 )
 from .memory import describe_memory, is_out_of_memory, release_memory
+from .unfused import ROUTE as UNFUSED
 
 
 class IterationRunner:
@@ -160,6 +161,8 @@ class IterationRunner:
         failed step's frames, and with them every activation tensor.
         """
         route = self._route_for(group)
+        if route == UNFUSED:
+            return self._attempt_unfused(group[0], plan)
         if self._trains_gathered(group, route):
             return self._attempt_gathered(group, plan, route)
         gather = self._gathers(group, route)
@@ -193,13 +196,15 @@ class IterationRunner:
 
     def _route_for(self, group: list[int]) -> str:
         """The route ``group`` trains on this time: the bucket's, except that a
-        lone member of an ``"auto"`` bucket takes the eager route (its own
-        module, what the probe compares every route with). Why: vmap over one
-        row only adds the batching around the same arithmetic; measured on the
-        2-core CPU, a width-64 MLP's epoch took 0.20 s on vmap against 0.15 s
-        eager. A route asked for is kept whatever the count (the tests pin it)."""
+        lone member of an ``"auto"`` bucket trains unfused (its own module and
+        torch's optimizer, chorus_tune/bucket_lone.py says why and where not:
+        there the eager route, its own module through the stack). Why not vmap:
+        over one row it only adds the batching around the same arithmetic;
+        measured on the 2-core CPU, a width-64 MLP's epoch took 0.20 s on vmap
+        against 0.15 s eager. A route asked for is kept whatever the count (the
+        tests pin it)."""
         if len(group) == 1 and self.routing.requested == "auto":
-            return "eager"
+            return self._lone_route()
         return self.route
 
     def _trains_gathered(self, group: list[int], route: str) -> bool:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Callable, Iterable, Mapping
 
@@ -92,7 +92,7 @@ def clip_grad_norms(grads: list[Tensor], max_norm: Tensor, clipped: Tensor) -> N
 def stacked_sgd(
     params: list[Tensor], grads: list[Tensor], momentum_buffers: list[Tensor], *,
     lr: Tensor, weight_decay: Tensor, momentum: Tensor, dampening: Tensor, nesterov: Tensor,
-    active: Tensor, has_buffer: Tensor, all_active: bool, all_have_buffer: bool,
+    one_minus_dampening: Tensor, active: Tensor, has_buffer: Tensor, all_active: bool, all_have_buffer: bool,
     any_weight_decay: bool, any_momentum: bool, any_dampening: bool, any_nesterov: bool, all_nesterov: bool,
 ) -> None:
     """One ``torch.optim.SGD`` step of every active member.
@@ -111,7 +111,7 @@ def stacked_sgd(
         d_p = grads[i].addcmul_(p, b(weight_decay)) if any_weight_decay else grads[i]
         if any_momentum:
             buf = momentum_buffers[i]
-            step_in = d_p * b(1 - dampening) if any_dampening else d_p
+            step_in = d_p * b(one_minus_dampening) if any_dampening else d_p
             if all_active and all_have_buffer:
                 new_buf = buf.mul_(b(momentum)).add_(step_in)
             else:
@@ -133,15 +133,19 @@ def stacked_sgd(
 def stacked_adam(
     params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor], *,
     steps: Tensor, lr: Tensor, weight_decay: Tensor, beta1: Tensor, beta2: Tensor, eps: Tensor,
+    one_minus_beta1: Tensor, one_minus_beta2: Tensor, beta1_float64: Tensor, beta2_float64: Tensor,
     active: Tensor, all_active: bool, any_weight_decay: bool, decoupled_weight_decay: bool = False,
 ) -> None:
     """One ``torch.optim.Adam`` step (``AdamW`` with ``decoupled_weight_decay``)
     of every active member. ``steps`` are the members' step counts, this step
-    included."""
-    # Bias corrections in float64, as torch.optim computes them in Python floats.
+    included. ``one_minus_beta*`` and ``beta*_float64`` are the family's
+    derived values (``_ADAM_DERIVED``: computed as torch does, in float64)."""
+    # Bias corrections in float64 from the betas as configured, as torch.optim
+    # computes them in Python floats (not from the float32 betas: 0.999 in
+    # float32 is 0.99900001, and 1 - beta2 then 1.3e-5 off).
     steps64 = steps.double()
-    bias1 = (1 - beta1.double() ** steps64).to(lr.dtype)
-    bias2_sqrt = (1 - beta2.double() ** steps64).sqrt().to(lr.dtype)
+    bias1 = (1 - beta1_float64 ** steps64).to(lr.dtype)
+    bias2_sqrt = (1 - beta2_float64 ** steps64).sqrt().to(lr.dtype)
     if not all_active:  # members that have never stepped would divide by zero
         bias1 = torch.where(active, bias1, torch.ones_like(bias1))
         bias2_sqrt = torch.where(active, bias2_sqrt, torch.ones_like(bias2_sqrt))
@@ -158,8 +162,8 @@ def stacked_adam(
                     p.mul_(b(1 - lr * weight_decay))
                 else:
                     grad = grad.addcmul_(p, b(weight_decay))
-            exp_avg.lerp_(grad, b(1 - beta1))
-            exp_avg_sq.mul_(b(beta2)).addcmul_(grad * b(1 - beta2), grad)
+            exp_avg.lerp_(grad, b(one_minus_beta1))
+            exp_avg_sq.mul_(b(beta2)).addcmul_(grad * b(one_minus_beta2), grad)
             denom = exp_avg_sq.sqrt().div_(b(bias2_sqrt)).add_(b(eps))
             p.addcdiv_(exp_avg * b(neg_step_size), denom)
             continue
@@ -170,8 +174,8 @@ def stacked_adam(
                 param = p * b(1 - lr * weight_decay)
             else:
                 grad = grad + b(weight_decay) * p
-        new_avg = exp_avg.lerp(grad, b(1 - beta1).expand_as(grad))
-        new_sq = exp_avg_sq * b(beta2) + b(1 - beta2) * grad * grad
+        new_avg = exp_avg.lerp(grad, b(one_minus_beta1).expand_as(grad))
+        new_sq = exp_avg_sq * b(beta2) + b(one_minus_beta2) * grad * grad
         denom = new_sq.sqrt() / b(bias2_sqrt) + b(eps)
         _commit(exp_avg, new_avg, live, all_active)
         _commit(exp_avg_sq, new_sq, live, all_active)
@@ -213,7 +217,13 @@ class OptimizerFamily:
       members have it and hands that to the update (``has_buffer``,
       ``all_have_buffer``);
     - ``reads_steps``: the update reads the members' step counts (``steps``,
-      for Adam's bias corrections).
+      for Adam's bias corrections);
+    - ``derived``: per-member values the update reads beside the
+      hyperparameters, computed from them in Python floats as ``torch.optim``
+      computes them (Adam's ``1 - beta2``: in float32 arithmetic it is 1.3e-5
+      off torch's, and so was every ``exp_avg_sq``); those named in
+      ``float64_values`` are held in float64 (Adam's betas for the bias
+      corrections), the others in the parameters' float32.
 
     A family pickles as its name: it is the registry's entry on the other side.
     """
@@ -229,9 +239,12 @@ class OptimizerFamily:
     switches: tuple[str, ...] = ()
     lazy_state: bool = False
     reads_steps: bool = False
+    derived: Mapping[str, Callable[[dict], float]] = field(default_factory=dict)
+    float64_values: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "defaults", MappingProxyType(dict(self.defaults)))
+        object.__setattr__(self, "derived", MappingProxyType(dict(self.derived)))
 
     def __reduce__(self) -> tuple:
         return optimizer_family, (self.name,)
@@ -242,10 +255,20 @@ class OptimizerFamily:
         the schedule gives per step."""
         return tuple(name for name in self.defaults if name != "lr")
 
+    @property
+    def member_value_names(self) -> tuple[str, ...]:
+        """Every ``(K,)`` tensor the optimizer holds per member: the tensor
+        hyperparameters, then the derived values."""
+        return (*self.tensor_hyperparameters, *self.derived)
+
     def values_for(self, hp: dict) -> dict[str, float]:
+        """The member's value of each of :attr:`member_value_names`, from its
+        filled-in hyperparameters."""
         if self.member_values is not None:
-            return self.member_values(hp)
-        return {name: float(hp[name]) for name in self.tensor_hyperparameters}
+            values = self.member_values(hp)
+        else:
+            values = {name: float(hp[name]) for name in self.tensor_hyperparameters}
+        return {**values, **{name: float(fn(values)) for name, fn in self.derived.items()}}
 
 
 def _sgd_check(hp: dict) -> None:
@@ -294,6 +317,10 @@ def _adam_torch(cls: type) -> Callable[[Iterable, dict], torch.optim.Optimizer]:
 
 
 _ADAM_DEFAULTS = {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+# What torch.optim.Adam computes from the betas in Python floats (see OptimizerFamily.derived).
+_ADAM_DERIVED = {"one_minus_beta1": lambda v: 1 - v["beta1"], "one_minus_beta2": lambda v: 1 - v["beta2"],
+                 "beta1_float64": lambda v: v["beta1"], "beta2_float64": lambda v: v["beta2"]}
+_ADAM_FLOAT64 = ("beta1_float64", "beta2_float64")
 
 FAMILIES: Mapping[str, OptimizerFamily] = MappingProxyType({
     family.name: family for family in (
@@ -305,6 +332,8 @@ FAMILIES: Mapping[str, OptimizerFamily] = MappingProxyType({
             lazy_state=True,
             check=_sgd_check,
             member_values=_sgd_member_values,
+            # torch.optim.SGD scales the gradient by 1 - dampening, a Python float.
+            derived={"one_minus_dampening": lambda v: 1 - v["dampening"]},
             needed_terms=_sgd_needed_terms,
             update=stacked_sgd,
             build_torch=_sgd_torch,
@@ -316,6 +345,8 @@ FAMILIES: Mapping[str, OptimizerFamily] = MappingProxyType({
             check=_adam_check,
             needed_terms=_adam_needed_terms,
             reads_steps=True,
+            derived=_ADAM_DERIVED,
+            float64_values=_ADAM_FLOAT64,
             update=stacked_adam,
             build_torch=_adam_torch(torch.optim.Adam),
         ),
@@ -326,6 +357,8 @@ FAMILIES: Mapping[str, OptimizerFamily] = MappingProxyType({
             check=_adam_check,
             needed_terms=_adam_needed_terms,
             reads_steps=True,
+            derived=_ADAM_DERIVED,
+            float64_values=_ADAM_FLOAT64,
             update=stacked_adamw,
             build_torch=_adam_torch(torch.optim.AdamW),
         ),
@@ -404,7 +437,9 @@ class StackedOptimizer:
         self.params = params
         first = next(iter(params.values()))
         capacity, device = first.shape[0], first.device
-        self.hp = {name: torch.zeros(capacity, device=device) for name in self.spec.tensor_hyperparameters}
+        self.hp = {name: torch.zeros(capacity, device=device,
+                                     dtype=torch.float64 if name in self.spec.float64_values else None)
+                   for name in self.spec.member_value_names}
         self.steps = torch.zeros(capacity, device=device)
         # Each member's max_grad_norm; inf: it does not clip (config key, any family).
         self.max_grad_norm = torch.full((capacity,), math.inf, device=device)

@@ -48,7 +48,11 @@ class ReferenceRun:
     """One member trained unfused, an iteration at a time (what a plain Tune
     trial would run, reporting after each iteration)."""
 
-    def __init__(self, task: Task, config: dict, seed: int | None = None, device: str | torch.device = "cpu"):
+    def __init__(self, task: Task, config: dict, seed: int | None = None, device: str | torch.device = "cpu",
+                 splits: tuple | None = None):
+        """``splits``: the task's ``(train, val)`` as ``task.load_data()``
+        gives them, already on ``device`` (a bucket's copies: a lone member
+        trained unfused in a bucket does not copy the data again)."""
         self.task, self.device = task, torch.device(device)
         spec = MemberSpec.read(task, config, resolve_seed(config, seed))
         self.seed, self.hp, self.label_smoothing = spec.seed, spec.hp, spec.label_smoothing
@@ -57,7 +61,7 @@ class ReferenceRun:
         task.check_model(self.model)  # the checks a bucket makes of its first member
         self.model = self.model.to(self.device)
         self.optimizer = build_torch_optimizer(spec.family, self.model.parameters(), self.hp)
-        train_split, val_split = task.load_data()
+        train_split, val_split = task.load_data() if splits is None else splits
         batch = spec.batch_size
         self.steps = task.steps_per_iteration(config)
         if isinstance(train_split, TensorSplit):

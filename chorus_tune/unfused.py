@@ -44,19 +44,38 @@ class UnfusedMember:
 
     ``state`` (a member state, from a bucket or from here) continues that
     member under ``config`` (``None``: the state's own config); its seed is
-    the state's.
+    the state's. ``device`` and ``splits`` are ``ReferenceRun``'s (a bucket
+    training a lone member unfused hands its own copies of the data).
     """
 
-    def __init__(self, task, config: dict | None, seed: int | None = None, state: Mapping | None = None):
+    def __init__(self, task, config: dict | None, seed: int | None = None, state: Mapping | None = None,
+                 device: str | torch.device = "cpu", splits: tuple | None = None):
         if state is not None:
             check_member_state(state)
             config = dict(state["config"] if config is None else config)
             seed = int(state["seed"])
         self.task, self.config = task, dict(config)
-        self._run = ReferenceRun(task, self.config, seed)
+        self._run = ReferenceRun(task, self.config, seed, device, splits)
         self.family = self._run.family
         if state is not None:
             self._load(state)
+
+    @property
+    def iteration(self) -> int:
+        return self._run.iteration
+
+    @property
+    def step(self) -> int:
+        return self._run.step
+
+    def load(self, state: Mapping) -> None:
+        """Continue from ``state`` (this member's, saved anywhere since): its
+        weights, optimizer state, place in the data and counters."""
+        check_member_state(state)
+        if int(state["seed"]) != self.seed:
+            raise ValueError(f"a member state of seed {state['seed']} cannot load into the member of seed "
+                             f"{self.seed}")
+        self._load(state)
 
     @property
     def seed(self) -> int:
@@ -78,11 +97,16 @@ class UnfusedMember:
             "config": dict(self.config),
             "seed": run.seed,
             "model": {k: v.detach().to("cpu", copy=True) for k, v in run.model.state_dict().items()},
-            "optimizer": member_optimizer_state(self.family, run.optimizer, run.model, run.step),
+            "optimizer": self.optimizer_state(),
             "iteration": run.iteration,
             "step": run.step,
             "data": None if run.order is None else run.order.state_dict(),
         }
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """The member state's optimizer part (``StackedOptimizer.member_state``'s form)."""
+        run = self._run
+        return member_optimizer_state(self.family, run.optimizer, run.model, run.step)
 
     def _load(self, state: Mapping) -> None:
         # Checked before anything loads: a state of another structure or family

@@ -14,6 +14,8 @@ import torch
 
 import chorus_tune as ct
 from chorus_tune import reference
+from chorus_tune.bucket import MemberMetricError
+from chorus_tune.optim import FAMILIES
 
 import models
 from models import cnn, digits, params_close
@@ -128,7 +130,7 @@ def test_rows_outside_the_gathered_group_stay_bit_for_bit_frozen(route, make_tas
     assert same_order(bucket.members[1].order.state_dict(), order) and bucket.iteration(1) == 1
 
 
-def test_a_lone_member_of_an_auto_bucket_trains_on_the_eager_route():
+def test_a_lone_member_of_an_auto_bucket_trains_unfused():
     task = mlp_task()
     chosen = configs(4)
     bucket = filled(task, 4, chosen, "auto")
@@ -136,10 +138,78 @@ def test_a_lone_member_of_an_auto_bucket_trains_on_the_eager_route():
     fused = bucket.route
     assert fused in ("vmap", "eager")
     history = [bucket.run_iteration([2])[2] for _ in range(2)]
-    assert [h["route"] for h in history] == ["eager", "eager"] and bucket.last_route == "eager"
-    assert bucket.route == fused  # the bucket's route stands for the next full iteration
+    assert [h["route"] for h in history] == ["unfused", "unfused"] and bucket.last_route == "unfused"
+    assert bucket.last_rows == 1 and bucket.route == fused  # the bucket's route stands for the next full iteration
     expected, _ = reference.train(task, chosen[2], iterations=3)
     assert [h["val_loss"] for h in history] == pytest.approx([e["val_loss"] for e in expected[1:]], rel=RTOL)
+
+
+@pytest.mark.parametrize("optimizer", list(FAMILIES))
+def test_a_member_moving_between_fused_and_unfused_iterations_follows_its_reference(optimizer):
+    # Fused, then alone (unfused: its state read out of the stack and written
+    # back), then fused again: one trajectory, the reference's, for every
+    # optimizer family (their state crosses between the two forms each time).
+    task = models.mlp_task(batch_size=32, iteration_steps=5, optimizer=optimizer)
+    chosen = [dict(lr=0.003 * (i + 1), weight_decay=1e-4 * i, seed=i) for i in range(3)]
+    bucket = filled(task, 3, chosen, "auto")
+    history = {k: [] for k in range(3)}
+    for slots in (None, [1], [1], None, [0], None):
+        for k, metrics in bucket.run_iteration(slots).items():
+            history[k].append(metrics)
+    assert [h["route"] for h in history[1]][1:3] == ["unfused", "unfused"]
+    assert len(history[1]) == 5 and len(history[0]) == 4 and len(history[2]) == 3
+    for k in range(3):
+        assert_follows_reference(task, bucket, k, chosen[k], history[k])
+        expected, model = reference.train(task, chosen[k], iterations=len(history[k]))
+        params_close(bucket.export_model(k), model, RTOL)
+
+
+def test_the_members_that_sit_out_a_lone_member_s_unfused_iteration_stay_frozen_bit_for_bit():
+    bucket = filled(mlp_task(), 4, configs(3), "auto")
+    bucket.run_iteration()
+    before = {k: (rows(bucket, k), bucket.members[k].order.state_dict()) for k in (0, 2, 3)
+              if bucket.members[k] is not None}
+    empty = rows(bucket, 3)
+    bucket.run_iteration([1])
+    assert bucket.last_route == "unfused"
+    for k, (state, order) in before.items():
+        assert all(torch.equal(a, b) for a, b in zip(rows(bucket, k), state))
+        assert same_order(bucket.members[k].order.state_dict(), order)
+    assert all(torch.equal(a, b) for a, b in zip(rows(bucket, 3), empty))
+
+
+def test_a_lone_member_s_unfused_iteration_that_raises_leaves_it_where_it_was(monkeypatch):
+    from chorus_tune.unfused import UnfusedMember
+
+    task = mlp_task()
+    bucket = filled(task, 2, configs(2), "auto")
+    bucket.run_iteration()
+    state, order = rows(bucket, 1), bucket.members[1].order.state_dict()
+    real = UnfusedMember.run_iteration
+
+    def failing(self):
+        real(self)  # it trains, then fails: nothing of it may reach the bucket
+        raise _Boom("after training")
+
+    monkeypatch.setattr(UnfusedMember, "run_iteration", failing)
+    with pytest.raises(_Boom):
+        bucket.run_iteration([1])
+    monkeypatch.setattr(UnfusedMember, "run_iteration", real)
+    assert all(torch.equal(a, b) for a, b in zip(rows(bucket, 1), state))
+    assert same_order(bucket.members[1].order.state_dict(), order) and bucket.iteration(1) == 1
+    out = bucket.run_iteration([1])
+    expected, _ = reference.train(task, configs(2)[1], iterations=2)
+    assert out[1]["val_loss"] == pytest.approx(expected[1]["val_loss"], rel=RTOL)
+
+
+def test_a_lone_member_on_shared_batches_trains_on_the_eager_route():
+    # A Dataset split: the bucket draws one stream of batches for all its
+    # members, which a member trained on its own would not see.
+    (x, y), val = digits(n_train=256)
+    task = ct.Task(models.mlp, (models.PairDataset(x, y), val), batch_size=32, iteration_steps=3, data_seed=7)
+    bucket = ct.Bucket(task, 2, route="auto")
+    bucket.add(configs(1)[0])
+    assert bucket.run_iteration()[0]["route"] == "eager"
 
 
 def test_a_lone_member_keeps_the_route_asked_for():
@@ -184,15 +254,34 @@ def test_an_iteration_that_raises_leaves_every_member_where_it_was(monkeypatch):
 
 def test_a_member_alone_from_the_start_is_not_probed_until_a_second_one_joins():
     # A sweep that splits into one-member buckets pays for no route probe: the
-    # lone member trains eager (always correct); the second member's arrival probes.
+    # lone member trains unfused (always correct); the second member's arrival probes.
     task = mlp_task()
     chosen = configs(2)
     bucket = ct.Bucket(task, 4, route="auto")
     bucket.add(chosen[0])
     first = bucket.run_iteration()[0]
-    assert first["route"] == "eager" and bucket.route is None and not bucket.routing.timed
+    assert first["route"] == "unfused" and bucket.route is None and not bucket.routing.timed
     bucket.add(chosen[1])
     bucket.run_iteration()
     assert bucket.route in ("vmap", "eager") and bucket.routing.timed
     expected, _ = reference.train(task, chosen[0], iterations=2)
     assert bucket.iteration(0) == 2 and first["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=RTOL)
+
+
+def _finite_only(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+    if not torch.isfinite(outputs).all():
+        raise ValueError("non-finite outputs")
+    return float((outputs.argmax(1) == targets).float().mean())
+
+
+def test_a_lone_member_whose_metric_raises_fails_with_its_message_after_training():
+    task = ct.Task(models.mlp, digits(), batch_size=32, iteration_steps=10, metrics={"strict": _finite_only})
+    bucket = ct.Bucket(task, 2, route="auto")
+    bucket.add(dict(lr=1e12, seed=3))  # diverges: its outputs are not finite
+    with pytest.raises(MemberMetricError) as caught:
+        bucket.run_iteration()
+    error = caught.value
+    assert bucket.last_route == "unfused" and error.slots == (0,) and error.results == {}
+    assert "metric 'strict' raised ValueError: non-finite outputs" in error.errors[0]
+    assert "slot 0" in error.errors[0] and "seed 3" in error.errors[0]
+    assert bucket.iteration(0) == 1  # it trained, as a member of a fused group whose metric fails does

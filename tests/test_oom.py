@@ -25,6 +25,7 @@ from chorus_tune.bucket import MemberOutOfMemory
 from chorus_tune.memory import is_out_of_memory
 from chorus_tune.route import RouteReason
 from chorus_tune.stack import MemberStack
+from chorus_tune.unfused import UnfusedMember
 
 from models import PairDataset, SmallCNN, digits, mlp, params_close
 
@@ -107,8 +108,15 @@ def device(monkeypatch):
         with DEVICE.call(len(slots), load):
             return real_eager(self, fn, x, y, shared, slots)
 
+    real_unfused = UnfusedMember.run_iteration
+
+    def unfused_iteration(self):  # a lone member trained unfused (chorus_tune/bucket_lone.py)
+        with DEVICE.call(1, 1 + float(self.model.cost)):
+            return real_unfused(self)
+
     monkeypatch.setattr(torch, "vmap", vmap)
     monkeypatch.setattr(MemberStack, "eager_call", eager_call)
+    monkeypatch.setattr(UnfusedMember, "run_iteration", unfused_iteration)
     DEVICE.__init__()
     yield DEVICE
     DEVICE.__init__()
