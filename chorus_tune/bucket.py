@@ -104,8 +104,8 @@ class Bucket(PaddedMembers, IterationRunner, LoneMember, FusedStep, RouteProbe):
         self._last_routes: set[str] = set()  # the routes the last iteration's groups took
         self.max_group: int | None = None
         self.oom_recoveries = 0
-        # {slot: (member, UnfusedMember)}: a lone member's unfused copy (bucket_lone.py).
-        self._unfused_runners: dict[int, tuple[Member, Any]] = {}
+        # (slot, member, UnfusedMember): the last lone member's unfused copy (bucket_lone.py).
+        self._unfused_held: tuple[int, Member, Any] | None = None
 
     @property
     def requested_route(self) -> str:

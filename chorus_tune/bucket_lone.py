@@ -76,26 +76,27 @@ class LoneMember:
         return None, error
 
     def _unfused_runner(self, slot: int) -> UnfusedMember:
-        """The slot's member as an :class:`UnfusedMember`, built once per
-        member (its model and optimizer; the data is the bucket's)."""
+        """The slot's member as an :class:`UnfusedMember` (its model and
+        optimizer; the data is the bucket's), kept for its next iteration
+        alone. One at a time: each is a second copy of a member's model and
+        optimizer state, which a bucket's memory fit (D13) does not count."""
         member = self.members[slot]
-        held = self._unfused_runners.get(slot)
-        if held is None or held[0] is not member:
+        held = self._unfused_held
+        if held is None or held[0] != slot or held[1] is not member:
+            self._unfused_held = None  # the old copy goes before the new one is built
             runner = UnfusedMember(self.task, member.config, member.seed, device=self.device,
                                    splits=(self._train, self._val))
-            self._unfused_runners[slot] = held = (member, runner)
-        return held[1]
+            self._unfused_held = held = (slot, member, runner)
+        return held[2]
 
     def _forget_unfused(self, slot: int | None = None) -> None:
-        """Drop the unfused copy of ``slot``'s member (every slot's: ``None``),
+        """Drop the unfused copy of ``slot``'s member (any slot's: ``None``),
         whose slot it no longer is (retired, or renumbered by compaction)."""
-        if slot is None:
-            self._unfused_runners.clear()
-        else:
-            self._unfused_runners.pop(slot, None)
+        if self._unfused_held is not None and slot in (None, self._unfused_held[0]):
+            self._unfused_held = None
 
     def _write_back(self, slot: int, runner: UnfusedMember) -> None:
         """The unfused member's weights, buffers and optimizer state into ``slot``'s rows."""
         member = self.members[slot]
-        self.stack.put(slot, runner.model)
+        self.stack.put_tensors(slot, runner.model)
         self.optimizer.set_member(slot, member.hp, runner.optimizer_state())

@@ -202,6 +202,18 @@ class MemberStack:
 
     def put(self, slot: int, module: nn.Module) -> None:
         """Put ``module``'s tensors (its own shapes, at most the stack's) into ``slot``."""
+        self.put_tensors(slot, module)
+        with torch.no_grad():
+            for n, value in lifted_settings(module).items():
+                self.settings[n][slot] = value
+        self.skeletons[slot] = copy.deepcopy(module).to("meta")
+        self.own[slot] = module_shapes(module)
+        self._update_masks()
+
+    def put_tensors(self, slot: int, module: nn.Module) -> None:
+        """Put ``module``'s parameters and buffers into ``slot``, whose member
+        it is already (the same structure, widths and settings: a lone member
+        written back after training unfused; no skeleton rebuilt)."""
         params, buffers = module_tensors(module)
         with torch.no_grad():
             for n, p in params.items():
@@ -210,11 +222,6 @@ class MemberStack:
                 # Padded BatchNorm statistics are zeros too (running_var included): a
                 # padded channel that sees zeros keeps them, and the member's own are its own.
                 pad_into(self.buffers[n][slot], b)
-            for n, value in lifted_settings(module).items():
-                self.settings[n][slot] = value
-        self.skeletons[slot] = copy.deepcopy(module).to("meta")
-        self.own[slot] = module_shapes(module)
-        self._update_masks()
 
     def own_row(self, name: str, slot: int) -> torch.Tensor:
         """``slot``'s row of tensor ``name`` at the member's own shape (a view)."""
