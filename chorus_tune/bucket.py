@@ -22,6 +22,7 @@ from .bucket_values import (
     Objectives,
 )
 from .data import BatchOrder, SharedBatches
+from .group_costs import GroupCosts
 from .member_spec import MemberSpec
 from .member_state import check_member_state, check_state_fits
 from .optim import StackedOptimizer
@@ -104,6 +105,8 @@ class Bucket(PaddedMembers, IterationRunner, LoneMember, FusedStep, RouteProbe):
         self._last_routes: set[str] = set()  # the routes the last iteration's groups took
         self.max_group: int | None = None
         self.oom_recoveries = 0
+        # Seconds per member-iteration by route and group size, as measured here (group_costs.py).
+        self.group_costs = GroupCosts()
         # (slot, member, UnfusedMember): the last lone member's unfused copy (bucket_lone.py).
         self._unfused_held: tuple[int, Member, Any] | None = None
 

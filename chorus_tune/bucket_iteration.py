@@ -5,6 +5,7 @@ retried smaller after running out of memory, failing members set apart. A part o
 from __future__ import annotations
 
 import copy
+import time
 from typing import Any
 
 import torch
@@ -127,13 +128,17 @@ class IterationRunner:
         that runs out alone is given up on: ``(results, {slot: error})``.
         """
         size = self._group_size(len(plan.live))
+        if self._trains_one_by_one(size):
+            size = 1  # each member alone, unfused: cheaper at this size, as measured (group_costs.py)
         pending = list(plan.live)
         results: dict[int, dict[str, Any]] = {}
         failed: dict[int, str] = {}
         while pending:
             group = pending[:size]
+            started = time.perf_counter()
             out, error = self._attempt(group, plan)
             if out is not None:
+                self.group_costs.record(self._route_for(group), len(group), time.perf_counter() - started)
                 results.update(out)
                 plan.completed.update(group)
                 pending = pending[len(group):]

@@ -36,6 +36,15 @@ class LoneMember:
         """The route a lone member of an ``"auto"`` bucket takes."""
         return UNFUSED if isinstance(self._train, TensorSplit) else "eager"
 
+    def _trains_one_by_one(self, members: int) -> bool:
+        """Whether a group of ``members`` of an ``"auto"`` bucket trains one
+        member at a time, unfused: where this bucket has measured that cheaper
+        per member than its route at that group size (chorus_tune/group_costs.py).
+        A route asked for is kept (the tests pin it); the compiled route is
+        left to its own probe."""
+        return (members > 1 and self.routing.requested == "auto" and self.route in ("vmap", "eager")
+                and self._lone_route() == UNFUSED and self.group_costs.trains_unfused(self.route, members))
+
     def _attempt_unfused(self, slot: int, plan: IterationPlan) -> tuple[dict[int, dict[str, Any]] | None, str | None]:
         """:meth:`_attempt` for a lone member trained unfused: ``({slot:
         metrics}, None)``, or ``(None, error)`` if it ran out of memory. The

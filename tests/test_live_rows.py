@@ -311,3 +311,35 @@ def test_a_bucket_keeps_one_unfused_copy_at_a_time(monkeypatch):
     bucket.retire(2)
     gc.collect()
     assert built[2]() is None
+
+
+def test_a_group_trains_one_by_one_unfused_where_the_bucket_measured_that_cheaper():
+    task = mlp_task()
+    chosen = configs(3)
+    bucket = filled(task, 3, chosen, "auto")
+    bucket.run_iteration()
+    fused = bucket.route
+    bucket.group_costs.record("unfused", 1, 0.001)  # as if measured: far cheaper than any fused group
+    bucket.group_costs.record(fused, 2, 10.0)
+    out = bucket.run_iteration([0, 2])
+    assert {m["route"] for m in out.values()} == {"unfused"} and bucket.last_rows == 2
+    assert bucket.route == fused  # the bucket's route stands for the groups it is cheaper for
+    for k in (0, 2):
+        expected, _ = reference.train(task, chosen[k], iterations=2)
+        assert out[k]["val_loss"] == pytest.approx(expected[1]["val_loss"], rel=RTOL)
+
+
+def test_a_group_the_fused_route_runs_cheaper_stays_fused():
+    bucket = filled(mlp_task(), 3, configs(3), "auto")
+    bucket.run_iteration()
+    bucket.group_costs.record("unfused", 1, 10.0)
+    bucket.group_costs.record(bucket.route, 2, 0.001)
+    out = bucket.run_iteration([0, 2])
+    assert {m["route"] for m in out.values()} == {bucket.route}
+
+
+def test_a_route_asked_for_ignores_the_measured_costs():
+    bucket = filled(mlp_task(), 3, configs(3), "vmap")
+    bucket.group_costs.record("unfused", 1, 0.001)
+    bucket.group_costs.record("vmap", 2, 10.0)
+    assert {m["route"] for m in bucket.run_iteration([0, 2]).values()} == {"vmap"}
