@@ -80,6 +80,11 @@ class LoneMember:
                                             f"{member.config})")
                 return {}, None
             return {slot: metrics}, None
+        # The unfused copy's model and optimizer state go with the failed
+        # step's tensors: a member that ran out alone should not keep a second
+        # copy of itself on the device.
+        self._forget_unfused(slot)
+        runner = None  # this frame's reference too, before the memory is given back
         release_memory(self.device)
         self.oom_recoveries += 1
         return None, error

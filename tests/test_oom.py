@@ -389,3 +389,24 @@ def test_rows_put_back_are_bit_exact_including_the_momentum_bookkeeping():
     assert same(rows_of(bucket, 0), after0) and not same(after0, before[0])
     assert same(rows_of(bucket, 1), before[1]) and same(rows_of(bucket, 2), before[2])
     assert bucket.optimizer._without_buffer == {1, 2}
+
+
+def test_a_lone_member_that_runs_out_unfused_leaves_no_copy_of_itself_behind(device, monkeypatch):
+    import gc
+
+    built = []
+    real_init = UnfusedMember.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append(weakref.ref(self))
+
+    monkeypatch.setattr(UnfusedMember, "__init__", init)
+    bucket = ct.Bucket(mlp_task(), 2, route="auto")
+    big = bucket.add(dict(seed=1, cost=100))
+    device.room = 3
+    with pytest.raises(MemberOutOfMemory) as info:
+        bucket.run_iteration()
+    gc.collect()
+    assert info.value.slots == (big,)
+    assert built and all(ref() is None for ref in built)
