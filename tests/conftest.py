@@ -1,4 +1,5 @@
-"""What the test modules share: the local Ray fixture and the ``ray`` marker.
+"""What the test modules share: the local Ray fixture and the ``ray`` marker
+(and ``unfused_copies``, for the core's tests of a bucket's unfused copies).
 
 A module that needs a Ray instance says so with
 ``pytestmark = pytest.mark.usefixtures("local_ray")``. Those modules share one
@@ -25,6 +26,7 @@ import os
 import sys
 import time
 import warnings
+import weakref
 
 import pytest
 import ray
@@ -209,3 +211,21 @@ def pytest_unconfigure(config):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(_EXIT_STATUS[-1])
+
+
+@pytest.fixture
+def unfused_copies(monkeypatch) -> list:
+    """A weak reference to every ``UnfusedMember`` built during the test, in
+    order: which of a bucket's unfused copies are still alive (after
+    ``gc.collect()``), where each is a second copy of a member's model."""
+    from chorus_tune.unfused import UnfusedMember
+
+    built: list[weakref.ref] = []
+    real_init = UnfusedMember.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        built.append(weakref.ref(self))
+
+    monkeypatch.setattr(UnfusedMember, "__init__", init)
+    return built

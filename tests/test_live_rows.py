@@ -287,22 +287,12 @@ def test_a_lone_member_whose_metric_raises_fails_with_its_message_after_training
     assert bucket.iteration(0) == 1  # it trained, as a member of a fused group whose metric fails does
 
 
-def test_a_bucket_keeps_one_unfused_copy_at_a_time(monkeypatch):
+def test_a_bucket_keeps_one_unfused_copy_at_a_time(unfused_copies):
     # Each unfused copy is a second copy of a member's model and optimizer
     # state, outside the bucket's memory fit: lone members in turn share one.
     import gc
-    import weakref
 
-    from chorus_tune.unfused import UnfusedMember
-
-    built = []
-    real_init = UnfusedMember.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        built.append(weakref.ref(self))
-
-    monkeypatch.setattr(UnfusedMember, "__init__", init)
+    built = unfused_copies
     bucket = filled(mlp_task(), 3, configs(3), "auto")
     for slot in (0, 1, 2, 2):
         bucket.run_iteration([slot])

@@ -391,17 +391,10 @@ def test_rows_put_back_are_bit_exact_including_the_momentum_bookkeeping():
     assert bucket.optimizer._without_buffer == {1, 2}
 
 
-def test_a_lone_member_that_runs_out_unfused_leaves_no_copy_of_itself_behind(device, monkeypatch):
+def test_a_lone_member_that_runs_out_unfused_leaves_no_copy_of_itself_behind(device, unfused_copies):
     import gc
 
-    built = []
-    real_init = UnfusedMember.__init__
-
-    def init(self, *args, **kwargs):
-        real_init(self, *args, **kwargs)
-        built.append(weakref.ref(self))
-
-    monkeypatch.setattr(UnfusedMember, "__init__", init)
+    built = unfused_copies
     bucket = ct.Bucket(mlp_task(), 2, route="auto")
     big = bucket.add(dict(seed=1, cost=100))
     device.room = 3
