@@ -202,6 +202,9 @@ class Regrouping:
                     source, dest, len(record.members) if record else 0, record.capacity if record else 0)
         if self.placement.buckets.get(source) is not None and self.placement.buckets[source].members:
             self._later_compact(source)
+        # The destination too: two sparse buckets merged can still leave it half empty,
+        # and no member leaving it may come to look again before its members finish.
+        self._later_compact(dest)
         return True
 
     async def moved_to(self, member: str, source: str, timeout_s: float = 60.0):
