@@ -26,7 +26,7 @@ from .memory import is_out_of_memory, release_memory
 from .task import TensorSplit
 from .task_metrics import MetricError
 from .unfused import ROUTE as UNFUSED
-from .unfused import UnfusedMember
+from .unfused import UnfusedMember, warm_torch_optim
 
 
 class LoneMember:
@@ -36,14 +36,29 @@ class LoneMember:
         """The route a lone member of an ``"auto"`` bucket takes."""
         return UNFUSED if isinstance(self._train, TensorSplit) else "eager"
 
+    def may_train_unfused(self) -> bool:
+        """Whether a member of this bucket may train unfused: an ``"auto"``
+        bucket on a split of tensors (where it is alone, or where
+        ``group_costs`` measured that cheaper)."""
+        return self.routing.requested == "auto" and self._lone_route() == UNFUSED
+
+    def warm_unfused(self) -> bool:
+        """Pay now what the first member trained unfused would pay in this
+        process (``unfused.warm_torch_optim``), where one may train unfused.
+        For a bucket to call while it waits: whether it warmed."""
+        if not self.may_train_unfused():
+            return False
+        warm_torch_optim()
+        return True
+
     def _trains_one_by_one(self, members: int) -> bool:
         """Whether a group of ``members`` of an ``"auto"`` bucket trains one
         member at a time, unfused: where this bucket has measured that cheaper
         per member than its route at that group size (chorus_tune/group_costs.py).
         A route asked for is kept (the tests pin it); the compiled route is
         left to its own probe."""
-        return (members > 1 and self.routing.requested == "auto" and self.route in ("vmap", "eager")
-                and self._lone_route() == UNFUSED and self.group_costs.trains_unfused(self.route, members))
+        return (members > 1 and self.may_train_unfused() and self.route in ("vmap", "eager")
+                and self.group_costs.trains_unfused(self.route, members))
 
     def _attempt_unfused(self, slot: int, plan: IterationPlan) -> tuple[dict[int, dict[str, Any]] | None, str | None]:
         """:meth:`_attempt` for a lone member trained unfused: ``({slot:

@@ -665,3 +665,24 @@ def test_an_evicted_member_still_saves_at_each_iteration_its_trial_fetched_and_a
     fetched, saved = asyncio.run(scenario())
     assert [r["iteration"] for r in fetched] == [1, 2, 3]
     assert saved == {1: 1, 2: 2, 3: 3}
+
+
+def test_a_bucket_warms_its_unfused_path_once_while_members_wait_after_their_first_iteration():
+    # Warmed before the first iteration, it would delay the first results; warmed
+    # on every wait, it would take CPU from the trials each time.
+    async def scenario():
+        bucket = make_bucket(2)
+        calls = []
+        warm = bucket.core.warm_unfused
+        bucket.core.warm_unfused = lambda: calls.append(bucket.iterations) or warm()
+        await seat(bucket, "ab", Plan(run_ahead=1))
+        await until(lambda: bucket.book.get("a").produced >= 1 and bucket.book.get("b").produced >= 1)
+        await until(lambda: bool(calls))
+        for _ in range(2):  # reads wake the bucket, which trains and waits again
+            await asyncio.gather(bucket.next_result("a"), bucket.next_result("b"))
+        await until(lambda: bucket.book.get("a").produced >= 3)
+        await asyncio.sleep(0.1)
+        return calls
+
+    calls = asyncio.run(scenario())
+    assert len(calls) == 1 and calls[0] >= 1

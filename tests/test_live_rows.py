@@ -333,3 +333,41 @@ def test_a_route_asked_for_ignores_the_measured_costs():
     bucket.group_costs.record("unfused", 1, 0.001)
     bucket.group_costs.record("vmap", 2, 10.0)
     assert {m["route"] for m in bucket.run_iteration([0, 2]).values()} == {"vmap"}
+
+
+@pytest.mark.parametrize("route, shared_batches, warms", [("auto", False, True), ("vmap", False, False),
+                                                          ("auto", True, False)])
+def test_a_bucket_warms_the_unfused_path_only_where_a_member_may_train_unfused(route, shared_batches, warms):
+    if shared_batches:
+        (x, y), val = digits(n_train=256)
+        task = ct.Task(models.mlp, (models.PairDataset(x, y), val), batch_size=32, iteration_steps=3)
+    else:
+        task = mlp_task()
+    bucket = ct.Bucket(task, 2, route=route)
+    bucket.add(configs(1)[0])  # a bucket knows its split once it holds a member
+    assert bucket.warm_unfused() is warms
+
+
+def test_warming_pays_torch_optims_first_use_so_a_first_unfused_member_imports_nothing():
+    # In a fresh process: torch.optim's first optimizer imports torch._dynamo
+    # (0.65 s measured), which a bucket's first lone member paid on its trial's
+    # critical path. The control run shows that first use still imports modules
+    # (if torch stops doing so, warm_torch_optim has no reason left).
+    import subprocess
+    import sys
+
+    code = """
+import sys, torch
+from chorus_tune.unfused import warm_torch_optim
+if sys.argv[1] == "warm":
+    warm_torch_optim()
+before = set(sys.modules)
+weight = torch.zeros(2, requires_grad=True)
+optimizer = torch.optim.Adam([weight], lr=0.1)
+weight.grad = torch.ones(2)
+optimizer.step()
+print(len(set(sys.modules) - before))
+"""
+    new = {how: int(subprocess.run([sys.executable, "-c", code, how], capture_output=True, text=True,
+                                   check=True).stdout.strip()) for how in ("warm", "cold")}
+    assert new["cold"] > 0 and new["warm"] == 0, new

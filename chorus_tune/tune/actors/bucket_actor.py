@@ -108,6 +108,7 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
         # their ratio is how full the iterations ran (bucket_stats()).
         self.member_iterations = self.rows_computed = 0
         self.compactions = 0
+        self._unfused_warmed = False  # bucket_training._warm_while_waiting: once per bucket
         self._waiters: dict[str, asyncio.Future] = {}
         self._asked_at: dict[str, float] = {}  # member -> when its trial last asked for a result
         # member -> the iteration of the last result its trial fetched (next_results):
