@@ -672,6 +672,7 @@ def test_a_bucket_warms_its_unfused_path_once_while_members_wait_after_their_fir
     # on every wait, it would take CPU from the trials each time.
     async def scenario():
         bucket = make_bucket(2)
+        bucket.book.stops.stop(1)  # Tune stopped a trial of the run: a stock scheduler decides
         calls = []
         warm = bucket.core.warm_unfused
         bucket.core.warm_unfused = lambda: calls.append(bucket.iterations) or warm()
@@ -686,3 +687,20 @@ def test_a_bucket_warms_its_unfused_path_once_while_members_wait_after_their_fir
 
     calls = asyncio.run(scenario())
     assert len(calls) == 1 and calls[0] >= 1
+
+
+def test_a_bucket_does_not_warm_its_unfused_path_while_no_trial_of_the_run_was_stopped():
+    # Under FIFO a bucket waits only for its trials' round trip; a warming in
+    # its training thread would hold up the next fused iteration.
+    async def scenario():
+        bucket = make_bucket(2)
+        calls = []
+        bucket.core.warm_unfused = lambda: calls.append(bucket.iterations)
+        await seat(bucket, "ab", Plan(run_ahead=1))
+        for _ in range(2):
+            await asyncio.gather(bucket.next_result("a"), bucket.next_result("b"))
+        await until(lambda: bucket.book.get("a").produced >= 3)
+        await asyncio.sleep(0.1)
+        return calls
+
+    assert asyncio.run(scenario()) == []
