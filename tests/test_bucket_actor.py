@@ -704,3 +704,53 @@ def test_a_bucket_does_not_warm_its_unfused_path_while_no_trial_of_the_run_was_s
         return calls
 
     assert asyncio.run(scenario()) == []
+
+
+class _RefillingPool:
+    """Stands in for the pool: a member that finishes frees its slot, and the
+    pool places ``refill`` there, whose expect reaches the bucket ``delay_s``
+    after the pool's answer (as the pool's realize task sends it)."""
+
+    def __init__(self, bucket: ChorusBucket, refill: str, plan: Plan, delay_s: float = 0.05):
+        self.bucket, self.refill, self.plan, self.delay_s = bucket, refill, plan, delay_s
+        self.placed = False
+
+    def __getattr__(self, name):
+        class _Method:
+            @staticmethod
+            def remote(*args, **kwargs):
+                return self._call(name, *args)
+        return _Method()
+
+    def _call(self, name, *args):
+        if name != "member_out":
+            return None  # the bucket's other calls to the pool are not waited for
+
+        async def answer():
+            if self.placed:
+                return []
+            self.placed = True
+
+            async def expect_later():
+                await asyncio.sleep(self.delay_s)
+                await self.bucket.expect_all([(self.refill, None, join(self.refill, self.plan))])
+
+            asyncio.get_running_loop().create_task(expect_later())
+            return [self.refill]
+        return answer()
+
+
+def test_a_refill_the_pool_placed_trains_with_the_members_in_slots_not_an_iteration_later():
+    async def scenario():
+        bucket = make_bucket(2, gather_s=1.0)  # a refill is waited for at most gather_s
+        bucket._pool = _RefillingPool(bucket, "c", Plan(budget=3))
+        await bucket.expect_all([("a", None, join("a", Plan(budget=1))), ("b", None, join("b", Plan(budget=3)))])
+        await until(lambda: bucket.book.get("c") is not None and bucket.book.get("c").produced >= 1)
+        b = [await bucket.next_result("b") for _ in range(2)]
+        c = await bucket.next_result("c")
+        return b, c
+
+    b, c = asyncio.run(scenario())
+    assert c[rk.BUCKET_ITERATION] == b[1][rk.BUCKET_ITERATION] == 2
+    expected = reference_history("c", 1)
+    assert c["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=RTOL)

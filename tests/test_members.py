@@ -239,3 +239,38 @@ def test_a_finished_member_read_to_the_end_is_drained_only_once_its_trial_leaves
     assert not book.get("m0").queue and not book.get("m0").drained
     book.leave("m0")
     assert book.get("m0") is None or book.get("m0").drained
+
+
+def test_the_next_iteration_waits_for_a_refill_the_pool_placed_until_it_arrives():
+    # Under ChorusASHA a halved cohort frees its slots at an iteration's end;
+    # without the wait, the survivors trained an iteration alone before the refill came.
+    book = book_with(Plan(), 1)
+    book.expect_refill(["new"], until=0.5)
+    chosen, wait = book.next_iteration(now=0.0)
+    assert chosen == [] and wait == pytest.approx(0.5)
+    book.reserve("new", Plan())  # the pool's expect arrived
+    book.place("new", slot=1, iteration=0)
+    chosen, wait = book.next_iteration(now=0.1)
+    assert sorted(r.member for r in chosen) == ["m0", "new"] and wait is None
+
+
+def test_a_refill_that_never_comes_is_waited_for_only_until_its_deadline():
+    book = book_with(Plan(), 1)
+    book.expect_refill(["lost"], until=0.5)
+    chosen, wait = book.next_iteration(now=0.6)
+    assert [r.member for r in chosen] == ["m0"] and wait is None
+    assert book.next_iteration(now=0.0)[0]  # not waited for again, whatever the clock says
+
+
+def test_a_refill_already_here_is_not_waited_for():
+    book = book_with(Plan(), 2)
+    book.expect_refill(["m1"], until=5.0)
+    chosen, wait = book.next_iteration(now=0.0)
+    assert sorted(r.member for r in chosen) == ["m0", "m1"] and wait is None
+
+
+def test_only_an_iteration_that_gathers_waits_for_a_refill():
+    book = book_with(Plan(), 1)
+    book.expect_refill(["new"], until=0.5)
+    chosen, wait = book.next_iteration(now=0.0, gather=False)
+    assert [r.member for r in chosen] == ["m0"]

@@ -26,6 +26,11 @@ def _log_failed_warm(future: asyncio.Future) -> None:
         logger.warning("warming torch.optim failed (a member trained unfused pays for it): %r", future.exception())
 
 
+# How long a bucket waits for the pool's answer to the slots it freed (a few
+# ms normally): the next iteration starts without the refill after that.
+_REFILL_ANSWER_S = 0.5
+
+
 class TrainingLoop:
     """The training loop and what each iteration reports (ChorusBucket's part; see the module)."""
 
@@ -107,9 +112,28 @@ class TrainingLoop:
         finished = [m for m in outputs if self.book.get(m).phase is Phase.FINISHED]
         for member in outputs:
             self._resolve(member)
-        for member in finished:
-            self._notify_pool(member, "finished")
         self._report(len(out), rows, in_slots, capacity, batch, seconds)
+        await self._hand_back(finished)
+
+    async def _hand_back(self, finished: list[str]) -> None:
+        """Tell the pool ``finished`` members free their slots, and hear which
+        members it placed here in their stead: the next iteration waits for
+        those (``MemberBook.expect_refill``, at most ``gather_s``) rather than
+        starting without them. The answer is waited for at most
+        ``_REFILL_ANSWER_S``; without one, the next iteration waits for nobody."""
+        if not finished:
+            return
+        if self._pool is None:
+            return
+        refs = [self._pool.member_out.remote(self.name, member, "finished", None) for member in finished]
+        try:
+            answers = await asyncio.wait_for(asyncio.gather(*refs), _REFILL_ANSWER_S)
+        except Exception:  # noqa: BLE001 - a slow or lost pool: the refill comes when it comes
+            return
+        placed = [member for answer in answers for member in (answer or ())]
+        if placed:
+            self.book.expect_refill(placed, time.monotonic() + self.options.gather_s)
+            self._poke()
 
     def _rows_cost_alike(self) -> bool:
         """Whether the fused step may compute every row of the stack, trained

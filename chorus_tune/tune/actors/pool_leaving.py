@@ -87,27 +87,32 @@ class Departures:
             self._later_regroup(name)
             self._later_compact(name)
 
-    async def member_out(self, name: str, member: str, reason: str, error: BaseException | None = None) -> None:
+    async def member_out(self, name: str, member: str, reason: str,
+                         error: BaseException | None = None) -> list[str]:
         """Bucket ``name`` says ``member`` no longer needs its slot: it
         ``"finished"`` (its results still drain from the bucket), or ``"failed"``
-        (with ``error``) or was ``"reaped"``. The slot goes to a waiting member."""
+        (with ``error``) or was ``"reaped"``. The slot goes to a waiting member.
+        Returns the members placed in bucket ``name`` now (on their way to it):
+        the bucket's next iteration may wait for them (``MemberBook.expect_refill``)."""
         if self.seats.home(member) not in (None, name) and (
                 self.placement is None or self.placement.bucket_of(member) != name):
-            return  # it moved on (regrouping): a bucket it left says nothing of it
+            return []  # it moved on (regrouping): a bucket it left says nothing of it
         self.seats.out(member, reason)
         if reason == "reaped":
             self.history.note(name, reason, member)
         if self.placement is None or self.placement.bucket_of(member) != name:
-            return  # its trial left (``_forget``): no one will ask for it
+            return []  # its trial left (``_forget``): no one will ask for it
         if reason == "failed" and error is not None:
             # Kept for its trial, which may not have asked yet: ChorusSearch seats
             # members ahead of their trials, and in a bucket already running one
             # can fail before Tune starts its trial. Asking then, the trial found
             # the member nowhere and failed with an error that said nothing of it.
             self._unplaced[member] = error
-        await self._apply(self.placement.remove(member))
+        update = self.placement.remove(member)
+        await self._apply(update)
         self._later_regroup(name)
         self._later_compact(name)
+        return [placed.trial_id for placed in update.placed if placed.bucket == name]
 
     async def bucket_failed(self, name: str) -> None:
         """A trainable saw bucket ``name`` die: forget it now (its death watch may be later)."""

@@ -238,6 +238,9 @@ class MemberBook:
         # change what they know (the bucket actor sends its counts, then clears it).
         self.news = False
         self._ready_since: float | None = None
+        # Members the pool has placed here to refill freed slots, on their way
+        # (not yet expected), each with when the next iteration stops waiting for it.
+        self._refills: dict[str, float] = {}
 
     # ----- membership -------------------------------------------------------------------------------
     def reserve(self, member: str, plan: Plan) -> MemberRecord:
@@ -432,6 +435,9 @@ class MemberBook:
             # Members being built join this iteration: a cohort seated together
             # reaches its rungs together.
             return [], None
+        refill_s = self._refill_wait(now)
+        if gather and refill_s > 0:
+            return [], refill_s
         if self._ready_since is None:
             self._ready_since = now
         waiting_for = [r for r in self.records.values() if self._about_to_ask(r)]
@@ -439,6 +445,28 @@ class MemberBook:
         if gather and waiting_for and remaining > 0:
             return [], remaining
         return (runnable + self.riders(runnable) if ride else runnable), None
+
+    def expect_refill(self, members: Iterable[str], until: float) -> None:
+        """The pool placed ``members`` here, into slots this bucket freed: the
+        next iteration waits for them until ``until`` (a time on
+        :meth:`next_iteration`'s clock), so that they train with the members
+        in slots instead of an iteration later. Why: under ChorusASHA a cohort
+        halved at a rung frees its slots at an iteration's end, and the next
+        iteration started with the survivors alone before the refill arrived;
+        the iterations alternated 16 and 7 members wide (128 trials, buckets
+        of 16, one run's logs). Waiting for a member already here, or past
+        ``until``, ends at once (every wait ends)."""
+        for member in members:
+            if member not in self.records or self.records[member].phase is Phase.LEFT:
+                self._refills[member] = until
+
+    def _refill_wait(self, now: float) -> float:
+        """Seconds the next iteration still waits for refills on their way (0: none)."""
+        for member, until in list(self._refills.items()):
+            record = self.records.get(member)
+            if until <= now or (record is not None and record.phase is not Phase.LEFT):
+                del self._refills[member]  # arrived, or waited for long enough
+        return max((until - now for until in self._refills.values()), default=0.0)
 
     def started(self, trained: Iterable[MemberRecord]) -> None:
         """An iteration starts with ``trained``: members left out while their
