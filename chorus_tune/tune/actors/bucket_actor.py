@@ -184,9 +184,12 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
         self.book.stops.seen_elsewhere(stopped, continued)
         self._poke()
 
-    def _notify_pool(self, member: str, reason: str, error: BaseException | None = None) -> None:
-        if self._pool is not None:
-            self._pool.member_out.remote(self.name, member, reason, portable(error))
+    def _notify_pool(self, member: str, reason: str, error: BaseException | None = None) -> Any:
+        """Tell the pool ``member`` no longer needs its slot; the pool's answer
+        (the members it placed here instead), or ``None`` without a pool."""
+        if self._pool is None:
+            return None
+        return self._pool.member_out.remote(self.name, member, reason, portable(error))
 
     def _send_stops_news(self) -> None:
         """Tune continued a trial where the run's other buckets still wait for

@@ -121,11 +121,9 @@ class TrainingLoop:
         those (``MemberBook.expect_refill``, at most ``gather_s``) rather than
         starting without them. The answer is waited for at most
         ``_REFILL_ANSWER_S``; without one, the next iteration waits for nobody."""
-        if not finished:
+        if not finished or self._pool is None:
             return
-        if self._pool is None:
-            return
-        refs = [self._pool.member_out.remote(self.name, member, "finished", None) for member in finished]
+        refs = [self._notify_pool(member, "finished") for member in finished]
         try:
             answers = await asyncio.wait_for(asyncio.gather(*refs), _REFILL_ANSWER_S)
         except Exception:  # noqa: BLE001 - a slow or lost pool: the refill comes when it comes
