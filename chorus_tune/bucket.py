@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import secrets
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -97,6 +98,10 @@ class Bucket(PaddedMembers, IterationRunner, LoneMember, FusedStep, RouteProbe):
         # the loss's vmap form (the same values; losses.vmap_form says why).
         self._eager_fns = Objectives.of(self._loss, task.is_classification)
         self._vmap_fns = Objectives.of(losses.vmap_form(self._loss), task.is_classification)
+        # The batched route trains on a named loss over the whole stack at once;
+        # the rest (smoothing parts, evaluation sums) runs under vmap as on vmap.
+        stacked = losses.stacked_mean_loss(self._loss)
+        self._batched_fns = self._vmap_fns if stacked is None else replace(self._vmap_fns, train=stacked)
         self.fused_steps = 0
         # Rows the last iteration computed (a masked row of a full-stack call
         # counts: it costs as much as a live one); its members trained are

@@ -57,7 +57,7 @@ class LoneMember:
         per member than its route at that group size (chorus_tune/group_costs.py).
         A route asked for is kept (the tests pin it); the compiled route is
         left to its own probe."""
-        return (members > 1 and self.may_train_unfused() and self.route in ("vmap", "eager")
+        return (members > 1 and self.may_train_unfused() and self.route in ("vmap", "batched", "eager")
                 and self.group_costs.trains_unfused(self.route, members))
 
     def _attempt_unfused(self, slot: int, plan: IterationPlan) -> tuple[dict[int, dict[str, Any]] | None, str | None]:

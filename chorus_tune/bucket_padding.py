@@ -39,7 +39,11 @@ class PaddedMembers:
         # Where the model computes per sample does not change as widths grow.
         # Taken before self.stack is set: describe() reads the stack, then the profile.
         self._profile = Profile.of(template, first_batch(self._train, 1)[0][0])
-        self.stack = MemberStack(template, self.capacity, self.device)
+        stack = MemberStack(template, self.capacity, self.device)
+        if self.routing.requested == "batched" and not stack.batched.eligible:
+            raise ValueError(f"route='batched' cannot run {type(template).__name__}: {stack.batched.why} "
+                             "(chorus_tune/batched.py); use route='auto' or 'vmap'")
+        self.stack = stack
         self._batch_size = self.task.batch_size_for(config)
         by_identity = {id(t): n for n, t in (*template.named_parameters(), *template.named_buffers())}
         entries = template.state_dict(keep_vars=True)

@@ -13,7 +13,7 @@ from .bucket_values import (
     Snapshot,
 )
 from .configuration import deterministic_dropout
-from .data import first_batch
+from .data import first_batch, take_rows
 from .memory import is_out_of_memory, release_memory
 from .route import PROBE_TOLERANCE, ProbeResult, RouteReason, decide
 from .task import TensorSplit
@@ -42,6 +42,7 @@ class RouteProbe:
                                     for n, s in self.stack.settings.items()}
             report["configuration"] = self.describe_configuration()
             report["padding"] = self.padding_report()
+            report["batched"] = {"eligible": self.stack.batched.eligible, "why_not": self.stack.batched.why}
         return report
 
     def _ensure_route(self, live: list[int]) -> None:
@@ -77,7 +78,8 @@ class RouteProbe:
         newcomer re-checks it), else every fused route the task allows."""
         if self.routing.timed and self.route is not None:
             return [self.route]
-        return ["compiled", "vmap"] if self.task.compile else ["vmap"]
+        routes = ["compiled", "vmap"] if self.task.compile else ["vmap"]
+        return ["batched", *routes] if self.stack.batched.eligible else routes
 
     def _probes_gathered(self, live: list[int], size: int) -> bool:
         """Whether the probe runs on a gathered stack of ``live``'s rows: when
@@ -127,7 +129,7 @@ class RouteProbe:
         if gather:
             rows = rows[live]
         x, y = self._train.tensors
-        return x[rows], y[rows], False
+        return take_rows(x, rows), take_rows(y, rows), False
 
     def _probe_step(self, route: str, live: list[int]) -> ProbeResult:
         """One training step of ``live`` on the probe batch: their losses and

@@ -12,7 +12,7 @@ from .bucket_values import (
     IterationPlan,
     Objectives,
 )
-from .data import eval_batches
+from .data import eval_batches, take_rows
 from .memory import is_out_of_memory
 from .optim import scheduled_lr
 from .precision import autocast
@@ -53,9 +53,11 @@ class FusedStep:
             return x.to(self.device), y.to(self.device), True
         x, y = self._train.tensors
         idx = plan.index[s] if rows is None else plan.index[s, rows]
-        return x[idx], y[idx], False
+        return take_rows(x, idx), take_rows(y, idx), False
 
     def _objectives(self, route: str | None) -> "Objectives":
+        if route == "batched":
+            return self._batched_fns
         return self._eager_fns if route == "eager" else self._vmap_fns
 
     def _fused_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool, slots: list[int],

@@ -16,7 +16,7 @@ from .stack import mean_loss
 
 STATE_FORMAT = 1
 # The routes that run the whole stack in one call (MemberStack.call).
-STACK_ROUTES = ("vmap", "compiled")
+STACK_ROUTES = ("vmap", "compiled", "batched")
 
 
 class MemberFailure(RuntimeError):

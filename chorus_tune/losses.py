@@ -68,6 +68,24 @@ def vmap_form(loss_fn: LossFn) -> LossFn:
     return _VMAP_FORMS.get(loss_fn, loss_fn)
 
 
+def stacked_mean_loss(loss_fn: LossFn) -> LossFn | None:
+    """Every member's mean loss at once, ``(K, N, ...)`` outputs and targets to
+    ``(K,)``, for a named loss (per sample: a sample's loss reads its own row
+    only, so the members' samples are one batch): the batched route's training
+    objective (chorus_tune/batched.py), without vmap's cost per op. ``None``
+    for a loss of the user's own, which may mix samples: it runs under vmap."""
+    per_sample = vmap_form(loss_fn) if loss_fn in NAMED_LOSSES.values() else None
+    if per_sample is None:
+        return None
+
+    def fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        members = output.shape[0]
+        losses = per_sample(output.flatten(0, 1), target.flatten(0, 1))
+        return losses.reshape(members, -1).mean(dim=1)
+    fn.stacked = True  # MemberStack.batched_call: called on the stack as is, not under vmap
+    return fn
+
+
 def mse(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     # A (B,) target against a (B, 1) output would broadcast to (B, B) and train on
     # nonsense without an error: match the shapes first.

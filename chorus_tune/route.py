@@ -1,8 +1,9 @@
 """Which route a bucket's fused step takes, and why (docs/design.md D8).
 
 A bucket asked for ``route="auto"`` runs one training step of its members on a
-probe batch through each candidate route (``"vmap"``; ``"compiled"`` too when
-the task asks for ``compile=True``) and through the per-member eager loop,
+probe batch through each candidate route (``"vmap"``; ``"batched"`` too for a
+model chorus_tune/batched.py accepts, ``"compiled"`` when the task asks for
+``compile=True``) and through the per-member eager loop,
 which is always correct. A candidate whose result disagrees with the eager
 loop, or that raises, is rejected; of the routes left, the fastest is kept.
 
@@ -22,7 +23,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-ROUTES = ("auto", "vmap", "compiled", "eager")
+ROUTES = ("auto", "vmap", "compiled", "batched", "eager")
 TIMING_REPEATS = 5
 
 # How far a candidate may disagree with the eager loop on the probe and still
@@ -47,6 +48,8 @@ class RouteReason(enum.Enum):
     VMAP_FAILED = "vmap_failed"
     COMPILE_FAILED = "compile_failed"
     COMPILE_DISAGREES = "compile_disagrees"
+    BATCHED_FAILED = "batched_failed"
+    BATCHED_DISAGREES = "batched_disagrees"
     PROBE_OUT_OF_MEMORY = "probe_out_of_memory"
     PADDING_DISAGREES = "padding_disagrees"
     SOLO = "solo"
@@ -65,6 +68,9 @@ _DESCRIPTIONS = {
     RouteReason.COMPILE_FAILED: "torch.compile of the fused step raised an error on the probe: not compiled",
     RouteReason.COMPILE_DISAGREES: "the compiled fused step disagreed with the per-member loop on the probe: "
                                    "not compiled",
+    RouteReason.BATCHED_FAILED: "the batched step (chorus_tune/batched.py) raised an error on the probe: vmap",
+    RouteReason.BATCHED_DISAGREES: "the batched step (chorus_tune/batched.py) disagreed with the per-member loop "
+                                   "on the probe: vmap",
     RouteReason.PROBE_OUT_OF_MEMORY: "the route probe ran out of memory even one member at a time: "
                                      "eager (always correct)",
     RouteReason.PADDING_DISAGREES: "a member padded to the bucket's widths disagreed with its own model (the "
@@ -78,6 +84,7 @@ _DESCRIPTIONS = {
 _REJECTED = {
     ("vmap", "disagrees"): RouteReason.DISAGREES, ("vmap", "failed"): RouteReason.VMAP_FAILED,
     ("compiled", "disagrees"): RouteReason.COMPILE_DISAGREES, ("compiled", "failed"): RouteReason.COMPILE_FAILED,
+    ("batched", "disagrees"): RouteReason.BATCHED_DISAGREES, ("batched", "failed"): RouteReason.BATCHED_FAILED,
     ("vmap", "padding"): RouteReason.PADDING_DISAGREES,
 }
 
@@ -296,4 +303,6 @@ def _reason_for(route: str, rejected: dict[str, tuple[RouteReason, str]]) -> Rou
         return rejected["vmap"][0]
     if route == "vmap" and "compiled" in rejected:
         return rejected["compiled"][0]
+    if route == "vmap" and "batched" in rejected:
+        return rejected["batched"][0]
     return RouteReason.FASTER

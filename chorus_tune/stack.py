@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
+from .batched import BatchedEligibility, batched_forward
 from .compiling import CompiledCalls
 from .configuration import ModuleConfiguration, describe_difference, lift, lifted_settings, module_configuration
 from .losses import LossFn
@@ -189,6 +190,7 @@ class MemberStack:
         # behaves differently in a way no configuration shows is what the
         # route probe catches.
         self.template = lift(copy.deepcopy(template)).to("meta")
+        self._batched: BatchedEligibility | None = None  # the batched route's verdict on the template, once asked
         self.settings: Tensors = {
             n: torch.zeros(capacity, device=device) for n in lifted_settings(template)
         }
@@ -298,6 +300,7 @@ class MemberStack:
                     new[(slice(None), *corner(tuple(old.shape[1:])))] = old.detach()
                     store[n] = new.requires_grad_(old.requires_grad)
         self.template = lift(copy.deepcopy(template)).to("meta")
+        self._batched = None
         self.compiled = CompiledCalls(self.compiled.max_member_counts)
         self._update_masks()
 
@@ -386,8 +389,10 @@ class MemberStack:
         """
         if route == "eager":
             return self.eager_call(fn, x, y, shared, slots)
+        if route == "batched":
+            return self.batched_call(fn, x, y, shared, slots if gather else None)
         if route not in ("vmap", "compiled"):
-            raise ValueError(f"route must be 'vmap', 'compiled' or 'eager'; got {route!r}")
+            raise ValueError(f"route must be 'vmap', 'compiled', 'batched' or 'eager'; got {route!r}")
         return self.vmap_call(fn, x, y, shared, slots if gather else None, compiled=route == "compiled")
 
     def vmap_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool,
@@ -412,6 +417,38 @@ class MemberStack:
         with torch.no_grad():  # train-mode BatchNorm updated the gathered copies
             for n, b in buffers.items():
                 self.buffers[n].index_copy_(0, index, b)
+        return out.new_zeros((self.capacity, *out.shape[1:])).index_copy(0, index, out)
+
+    @property
+    def batched(self) -> BatchedEligibility:
+        """Whether the template may run on the batched route, and why not
+        (chorus_tune/batched.py): traced once per template."""
+        if self._batched is None:
+            self._batched = batched_forward(self.template)
+        return self._batched
+
+    def batched_call(self, fn: Callable, x: torch.Tensor, y: torch.Tensor, shared: bool,
+                     rows: list[int] | None = None) -> torch.Tensor:
+        """``fn(output, target)`` of every row (or of ``rows`` only, zeros
+        elsewhere), the forward run on the stack as batched tensor ops and only
+        ``fn`` under vmap (chorus_tune/batched.py)."""
+        forward = self.batched.forward
+        if forward is None:
+            raise ValueError(f"the batched route cannot run this model: {self.batched.why}")
+        if rows is None:
+            params, count = self.params, self.capacity
+        else:
+            index = torch.tensor(rows, device=self.device)
+            params = {n: p.index_select(0, index) for n, p in self.params.items()}  # gradients flow back
+            count = len(rows)
+        if shared:
+            x = x.expand(count, *x.shape)
+        if getattr(fn, "stacked", False):  # losses.stacked_mean_loss: every member's at once
+            out = fn(forward(params, x), y.expand(count, *y.shape) if shared else y)
+        else:
+            out = torch.vmap(fn, in_dims=(0, None if shared else 0))(forward(params, x), y)
+        if rows is None:
+            return out
         return out.new_zeros((self.capacity, *out.shape[1:])).index_copy(0, index, out)
 
     def _vmapped(self, fn: Callable, shared: bool) -> Callable:

@@ -52,12 +52,13 @@ def run_and_compare(task, configs, iterations, rtol, route):
     return bucket, fused
 
 
+@pytest.mark.parametrize("route", ["vmap", "batched"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZER_CONFIGS))
-def test_vmapped_mlp_members_follow_their_reference_for_100_steps(name):
+def test_fused_mlp_members_follow_their_reference_for_100_steps(name, route):
     family = "sgd" if name.startswith("sgd") else name
     task = ct.Task(mlp, digits(), optimizer=family, batch_size=32, iteration_steps=25)
     configs = [dict(c, seed=i) for i, c in enumerate(OPTIMIZER_CONFIGS[name])]
-    bucket, fused = run_and_compare(task, configs, iterations=4, rtol=MLP_RTOL, route="vmap")
+    bucket, fused = run_and_compare(task, configs, iterations=4, rtol=MLP_RTOL, route=route)
     assert fused[-1][0]["iteration"] == 4
 
 
@@ -90,10 +91,11 @@ def test_vmapped_members_follow_their_learning_rate_schedules_as_the_reference_d
     run_and_compare(task, configs, iterations=3, rtol=MLP_RTOL, route="vmap")
 
 
-def test_vmapped_mse_regression_members_follow_reference():
+@pytest.mark.parametrize("route", ["vmap", "batched"])
+def test_fused_mse_regression_members_follow_reference(route):
     task = regression_task(iteration_steps=10)
     configs = [dict(lr=0.01, seed=0), dict(lr=0.02, seed=1)]
-    bucket, fused = run_and_compare(task, configs, iterations=2, rtol=MLP_RTOL, route="vmap")
+    bucket, fused = run_and_compare(task, configs, iterations=2, rtol=MLP_RTOL, route=route)
     assert "val_accuracy" not in fused[-1][0]
 
 

@@ -22,6 +22,7 @@ from models import cnn, digits, params_close
 
 RTOL = 1e-5
 ROUTES = ["vmap", "eager"]
+MLP_ROUTES = ["vmap", "batched", "eager"]  # batched.py runs the MLP, not the CNN
 
 
 def mlp_task() -> ct.Task:
@@ -63,7 +64,7 @@ def assert_follows_reference(task, bucket, slot, config, history):
     params_close(bucket.export_model(slot), model, RTOL)
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", MLP_ROUTES)
 def test_an_iteration_of_few_live_members_computes_their_rows_only(route):
     bucket = filled(mlp_task(), 8, configs(8), route)
     for slot in range(2, 8):
@@ -78,7 +79,7 @@ def test_a_full_stack_iteration_counts_every_row():
     assert bucket.last_rows == 4
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", MLP_ROUTES)
 def test_live_members_of_a_sparse_bucket_train_as_a_bucket_of_just_them(route):
     # Bit for bit: gathered, the two live rows of eight run the very call a
     # bucket of two runs (the same shapes, the same batches, the same rates).
@@ -99,8 +100,12 @@ def test_live_members_of_a_sparse_bucket_train_as_a_bucket_of_just_them(route):
             assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("make_task", [mlp_task, cnn_task], ids=["mlp", "cnn_batchnorm"])
+ROUTE_TASKS = [pytest.param(route, make_task, id=f"{name}-{route}")
+               for make_task, name in ((mlp_task, "mlp"), (cnn_task, "cnn_batchnorm"))
+               for route in (MLP_ROUTES if make_task is mlp_task else ROUTES)]
+
+
+@pytest.mark.parametrize("route, make_task", ROUTE_TASKS)
 def test_members_trained_in_a_chosen_subset_follow_their_references(route, make_task):
     # A subset trains gathered while the others sit out; later the others catch
     # up in a subset of their own. Each member stays on its own trajectory.
@@ -116,8 +121,7 @@ def test_members_trained_in_a_chosen_subset_follow_their_references(route, make_
         assert_follows_reference(task, bucket, k, chosen[k], history[k])
 
 
-@pytest.mark.parametrize("route", ROUTES)
-@pytest.mark.parametrize("make_task", [mlp_task, cnn_task], ids=["mlp", "cnn_batchnorm"])
+@pytest.mark.parametrize("route, make_task", ROUTE_TASKS)
 def test_rows_outside_the_gathered_group_stay_bit_for_bit_frozen(route, make_task):
     bucket = filled(make_task(), 4, configs(4), route)
     bucket.run_iteration()
@@ -136,7 +140,7 @@ def test_a_lone_member_of_an_auto_bucket_trains_unfused():
     bucket = filled(task, 4, chosen, "auto")
     bucket.run_iteration()
     fused = bucket.route
-    assert fused in ("vmap", "eager")
+    assert fused in ("vmap", "batched", "eager")
     history = [bucket.run_iteration([2])[2] for _ in range(2)]
     assert [h["route"] for h in history] == ["unfused", "unfused"] and bucket.last_route == "unfused"
     assert bucket.last_rows == 1 and bucket.route == fused  # the bucket's route stands for the next full iteration
@@ -263,7 +267,7 @@ def test_a_member_alone_from_the_start_is_not_probed_until_a_second_one_joins():
     assert first["route"] == "unfused" and bucket.route is None and not bucket.routing.timed
     bucket.add(chosen[1])
     bucket.run_iteration()
-    assert bucket.route in ("vmap", "eager") and bucket.routing.timed
+    assert bucket.route in ("vmap", "batched", "eager") and bucket.routing.timed
     expected, _ = reference.train(task, chosen[0], iterations=2)
     assert bucket.iteration(0) == 2 and first["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=RTOL)
 

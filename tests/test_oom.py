@@ -21,6 +21,8 @@ from torch import nn
 import chorus_tune as ct
 import chorus_tune.bucket_iteration as iteration_module  # where an iteration recovers from running out
 from chorus_tune import reference
+from chorus_tune import stack as stack_module
+from chorus_tune.batched import BatchedEligibility
 from chorus_tune.bucket import MemberOutOfMemory
 from chorus_tune.memory import is_out_of_memory
 from chorus_tune.route import RouteReason
@@ -116,6 +118,11 @@ def device(monkeypatch):
 
     monkeypatch.setattr(torch, "vmap", vmap)
     monkeypatch.setattr(MemberStack, "eager_call", eager_call)
+    # Guarded's forward reads DEVICE.over at every call, which a traced forward
+    # (the batched route, chorus_tune/batched.py) would read once: the fake
+    # device runs out on the vmap and eager routes only.
+    monkeypatch.setattr(stack_module, "batched_forward",
+                        lambda template: BatchedEligibility(None, "the fake device counts vmap and eager calls"))
     monkeypatch.setattr(UnfusedMember, "run_iteration", unfused_iteration)
     DEVICE.__init__()
     yield DEVICE

@@ -107,7 +107,7 @@ ADAM_CONFIGS = [dict(h1=20, lr=1e-3, weight_decay=1e-2, seed=1), dict(h1=32, h2=
                 dict(h1=24, h2=18, lr=2e-3, beta1=0.8, seed=3)]
 
 
-@pytest.mark.parametrize("route", ["vmap", "eager"])
+@pytest.mark.parametrize("route", ["vmap", "batched", "eager"])
 @pytest.mark.parametrize("family", ["sgd", "adam", "adamw"])
 def test_padded_members_follow_their_own_unpadded_reference(family, route):
     task = ct.Task(sigmoid_mlp, digits(), optimizer=family, batch_size=32, iteration_steps=10)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ray.util.metrics import Counter, Gauge
 
 _TAGS = ("bucket", "model")
-ROUTES = ("vmap", "eager", "unfused")
+ROUTES = ("vmap", "batched", "eager", "unfused")
 
 # The names, without Ray's "ray_" prefix (and a counter's "_total" suffix).
 LIVE_MEMBERS = "chorus_live_members"

@@ -26,7 +26,7 @@ class BucketOptions:
     ``device -> MemoryMeter`` used instead of CUDA's allocator statistics (a
     test's fake device, or a meter of your own). ``resources_per_bucket``: see
     :mod:`chorus_tune.tune.rules.resources` (``None``: one GPU where there are GPUs,
-    else one CPU). ``route``: ``"auto" | "vmap" | "compiled" | "eager"``.
+    else one CPU). ``route``: ``"auto" | "vmap" | "compiled" | "batched" | "eager"``.
 
     How far members train ahead of their trials (the rules, once:
     :mod:`chorus_tune.tune.rules.members`; why: docs/design.md D4):
@@ -92,8 +92,8 @@ class BucketOptions:
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1]; got {self.memory_fraction}")
         # chorus_tune.route.ROUTES, spelled out: this module is torch-free (trial actors import it).
-        if self.route not in ("auto", "vmap", "compiled", "eager"):
-            raise ValueError(f"route must be 'auto', 'vmap', 'compiled' or 'eager'; got {self.route!r}")
+        if self.route not in ("auto", "vmap", "compiled", "batched", "eager"):
+            raise ValueError(f"route must be 'auto', 'vmap', 'compiled', 'batched' or 'eager'; got {self.route!r}")
         if self.run_ahead < 0:
             raise ValueError(f"run_ahead must be 0 or more; got {self.run_ahead}")
         if self.max_iterations is not None and self.max_iterations < 1:

@@ -1,0 +1,195 @@
+"""The batched route (docs/design.md D8): a model whose forward provably keeps its members
+apart runs on the whole stack as plain tensor ops, without ``torch.vmap``.
+
+Why: on a CPU, vmap adds a fixed cost to every op it batches. Measured on the
+2-core machine (torch 2.13, one thread, 8 members of a width-64 MLP, batch 64):
+a ReLU on ``(8, 64, 64)`` took 4 us alone and about 40 us under vmap; a Linear
+62 us as one ``baddbmm`` and 117 us under vmap; a whole forward and backward
+1160 us under vmap against 594 us written as batched matmuls (one member alone:
+195 us). A small MLP's fused step is mostly that fixed cost.
+
+Which models: those whose ``forward`` ``torch.fx`` traces to a graph of
+
+- ``nn.Linear`` (each member's rows meet only its own weight: one batched
+  matmul over the stack, ``(K, N, in) @ (K, in, out)``),
+- elementwise activations, as modules (:data:`ELEMENTWISE_MODULES`) or
+  functions (:data:`ELEMENTWISE_FUNCTIONS`, :data:`ELEMENTWISE_METHODS`),
+- arithmetic between such values or with Python numbers,
+
+so every tensor in the forward is one per member with the member in dim 0,
+and every op acts on each member's rows alone. Anything else (a flatten or a
+reshape, a reduction, indexing, a parameter read directly, a convolution,
+BatchNorm, dropout, data-dependent control flow, a hook) keeps the model on
+vmap: :func:`batched_forward` says why. A model it accepts is still checked
+by the route probe against each member's own step, and kept only if faster.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+Tensors = dict[str, torch.Tensor]
+
+# Modules that act on each element alone, with no parameters: the same on a
+# (K, N, ...) stack as on each member's (N, ...). Exact types only: a subclass
+# may override forward. Modules whose settings chorus_tune lifts per member
+# (Dropout, LeakyReLU, ELU: chorus_tune/configuration.py) are not here: the
+# template holds their lifted form, which reads a per-member setting.
+ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
+    nn.Identity, nn.ReLU, nn.ReLU6, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.Mish, nn.Softplus,
+    nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.CELU, nn.Softsign, nn.Tanhshrink,
+    nn.LogSigmoid,
+)
+ELEMENTWISE_FUNCTIONS: frozenset[Callable] = frozenset({
+    torch.relu, F.relu, torch.relu_, F.relu_, F.relu6, torch.tanh, F.tanh, torch.sigmoid, F.sigmoid,
+    F.gelu, F.silu, F.mish, F.softplus, F.hardtanh, F.hardswish, F.hardsigmoid, F.selu, F.celu,
+    F.softsign, F.tanhshrink, F.logsigmoid, torch.exp, torch.abs, torch.neg, torch.square,
+    torch.add, torch.sub, torch.mul, torch.div,
+    operator.add, operator.sub, operator.mul, operator.truediv, operator.neg, operator.pos,
+})
+ELEMENTWISE_METHODS: frozenset[str] = frozenset({
+    "relu", "relu_", "tanh", "sigmoid", "exp", "abs", "neg", "square",
+    "add", "add_", "sub", "mul", "mul_", "div",
+})
+_SCALARS = (int, float, bool, str, type(None))
+
+
+@dataclass
+class BatchedEligibility:
+    """Whether a template may run on the batched route: ``forward`` when it
+    may (else ``None``), and ``why`` not, in words."""
+
+    forward: "BatchedForward | None"
+    why: str | None = None
+
+    @property
+    def eligible(self) -> bool:
+        return self.forward is not None
+
+
+class BatchedForward:
+    """A traced forward, run on stacked parameters: ``(params, x) -> output``
+    with ``x`` ``(K, N, ...)`` and every parameter ``(K, ...)``.
+
+    Traced once per mode: a trace runs the Python of ``forward`` once, so a
+    forward that reads ``self.training`` bakes in the mode it was traced in
+    (one traced in train mode would then train its evaluation). The graph of
+    the template's mode at call time runs."""
+
+    def __init__(self, graphs: dict[bool, fx.Graph], template: nn.Module):
+        self._nodes = {training: list(graph.nodes) for training, graph in graphs.items()}
+        self._template = template
+        self._modules = dict(template.named_modules())
+
+    def __call__(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
+        env: dict[fx.Node, Any] = {}
+
+        def value(n: fx.Node) -> Any:
+            return env[n]
+
+        for node in self._nodes[self._template.training]:
+            if node.op == "placeholder":
+                env[node] = x
+            elif node.op == "output":
+                return fx.node.map_arg(node.args[0], value)
+            else:
+                args = fx.node.map_arg(node.args, value)
+                kwargs = fx.node.map_arg(node.kwargs, value)
+                if node.op == "call_module":
+                    module = self._modules[node.target]
+                    if type(module) is nn.Linear:
+                        env[node] = batched_linear(args[0], params[f"{node.target}.weight"],
+                                                   params.get(f"{node.target}.bias"))
+                    else:
+                        env[node] = module(*args, **kwargs)
+                elif node.op == "call_function":
+                    env[node] = node.target(*args, **kwargs)
+                else:  # call_method
+                    env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+        raise AssertionError("a traced graph always ends in an output node")
+
+
+def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Each member's ``F.linear(x[k], weight[k], bias[k])``, as one batched
+    matmul: ``x`` ``(K, ..., in)``, ``weight`` ``(K, out, in)``, ``bias`` ``(K, out)``."""
+    rows = x.reshape(x.shape[0], -1, x.shape[-1])
+    if bias is None:
+        out = torch.bmm(rows, weight.transpose(1, 2))
+    else:
+        out = torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))
+    return out.reshape(*x.shape[:-1], weight.shape[1])
+
+
+def batched_forward(template: nn.Module) -> BatchedEligibility:
+    """Trace ``template`` and accept it for the batched route only if every
+    node of its forward keeps members apart (see the module)."""
+    hooked = _hooks(template)
+    if hooked is not None:
+        return BatchedEligibility(None, hooked)
+    modules = dict(template.named_modules())
+    graphs: dict[bool, fx.Graph] = {}
+    mode = template.training
+    try:
+        for training in (True, False):
+            template.train(training)
+            try:
+                graphs[training] = fx.Tracer().trace(template)
+            except Exception as exc:  # noqa: BLE001 - data-dependent control flow, untraceable code, ...
+                return BatchedEligibility(None, f"torch.fx cannot trace its forward ({type(exc).__name__}: {exc})")
+    finally:
+        template.train(mode)
+    for graph in graphs.values():
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        if len(placeholders) != 1:
+            return BatchedEligibility(None, f"its forward takes {len(placeholders)} inputs, not one")
+        for node in graph.nodes:
+            why = _refusal(node, modules)
+            if why is not None:
+                return BatchedEligibility(None, why)
+    return BatchedEligibility(BatchedForward(graphs, template))
+
+
+def _hooks(template: nn.Module) -> str | None:
+    from torch.nn.modules import module as module_globals
+
+    if module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
+        return "a global forward hook is registered (the batched route would not run it)"
+    for name, m in template.named_modules():
+        if m._forward_hooks or m._forward_pre_hooks:
+            return f"module {name or type(m).__name__!r} has a forward hook (the batched route would not run it)"
+    return None
+
+
+def _refusal(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
+    """Why ``node`` may mix members (``None``: it keeps them apart)."""
+    if node.op == "placeholder":
+        return None
+    if node.op == "output":
+        return None if isinstance(node.args[0], fx.Node) else "its forward returns more than one tensor"
+    if node.op == "get_attr":
+        return f"its forward reads {node.target!r} directly (not through a module call)"
+    if not all(isinstance(a, (fx.Node, *_SCALARS)) for a in (*node.args, *node.kwargs.values())):
+        return f"{_describe(node)} takes an argument that is neither a tensor of the forward nor a number"
+    if node.op == "call_module":
+        kind = type(modules[node.target])
+        if kind is nn.Linear or kind in ELEMENTWISE_MODULES:
+            return None
+        return f"submodule {node.target!r} is a {kind.__name__}, which the batched route does not run"
+    if node.op == "call_function" and node.target in ELEMENTWISE_FUNCTIONS:
+        return None
+    if node.op == "call_method" and node.target in ELEMENTWISE_METHODS:
+        return None
+    return f"{_describe(node)} is not known to keep members apart"
+
+
+def _describe(node: fx.Node) -> str:
+    if node.op == "call_function":
+        return f"its forward's call to {getattr(node.target, '__name__', node.target)}"
+    if node.op == "call_method":
+        return f"its forward's .{node.target}()"
+    return f"its forward's {node.op} {node.target!r}"

@@ -1,0 +1,201 @@
+"""The batched route (chorus_tune/batched.py, docs/design.md D8): which models it accepts,
+why it refuses the others, and that the members it trains follow their references."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+import chorus_tune as ct
+from chorus_tune import reference
+from chorus_tune.batched import batched_forward
+
+from models import SmallCNN, digits, mlp, params_close
+
+RTOL = 1e-5
+
+
+class Residual(nn.Module):
+    """A custom module, as users write them: arithmetic between activations and
+    with numbers, functions and methods, a GELU module."""
+
+    def __init__(self, width: int = 32):
+        super().__init__()
+        self.inp = nn.Linear(64, width)
+        self.inner = nn.Linear(width, width)
+        self.act = nn.GELU()
+        self.head = nn.Linear(width, 10, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = h + 0.5 * self.act(self.inner(h)).sigmoid()
+        return self.head(h - 1.0)
+
+
+class ScalesWhileTraining(nn.Module):
+    """A forward that reads ``self.training``: a trace bakes in its mode."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(64, 32)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        return self.head(h * 0.5 if self.training else h)
+
+
+def residual(config: dict) -> nn.Module:
+    return Residual(config.get("width", 32))
+
+
+class Flattening(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(x.view(x.size(0), -1))
+
+
+class Branching(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+
+class ReadsItsWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return x @ self.fc.weight.t()
+
+
+class Normalising(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(x - x.mean(dim=0))  # a batch statistic: stacked, dim 0 would be the members
+
+
+def test_a_sequential_mlp_is_accepted():
+    assert batched_forward(mlp({})).eligible
+
+
+def test_a_custom_module_of_linears_activations_and_arithmetic_is_accepted():
+    assert batched_forward(Residual()).eligible
+
+
+@pytest.mark.parametrize("model, named", [
+    (Flattening(), ".size()"),
+    (Branching(), "cannot trace"),
+    (ReadsItsWeight(), "fc.weight"),
+    (Normalising(), "mean"),
+    (SmallCNN(), "Conv2d"),
+    (nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 10)), "LayerNorm"),
+    (nn.Sequential(nn.Linear(64, 32), nn.Dropout(0.2), nn.Linear(32, 10)), "Dropout"),
+], ids=["flatten", "data_dependent_branch", "parameter_read_directly", "batch_mean", "convolution",
+        "layernorm", "dropout"])
+def test_a_forward_that_may_mix_members_is_refused_naming_why(model, named):
+    verdict = batched_forward(model)
+    assert not verdict.eligible and named in verdict.why
+
+
+def test_a_forward_hook_keeps_a_model_off_the_batched_route():
+    model = mlp({})
+    model[1].register_forward_hook(lambda module, args, out: out * 2)
+    verdict = batched_forward(model)
+    assert not verdict.eligible and "hook" in verdict.why
+
+
+def run_and_compare(task, configs, iterations, route="batched"):
+    bucket = ct.Bucket(task, capacity=len(configs), route=route)
+    slots = [bucket.add(c) for c in configs]
+    fused = [bucket.run_iteration() for _ in range(iterations)]
+    assert {m["route"] for results in fused for m in results.values()} == {route}
+    for slot, config in zip(slots, configs):
+        history, model = reference.train(task, config, iterations=iterations)
+        for it in range(iterations):
+            assert math.isclose(fused[it][slot]["val_loss"], history[it]["val_loss"], rel_tol=RTOL, abs_tol=1e-7), (
+                slot, it, fused[it][slot]["val_loss"], history[it]["val_loss"])
+        params_close(bucket.export_model(slot), model, RTOL)
+    return bucket
+
+
+@pytest.mark.parametrize("family", ["sgd", "adam"])
+def test_custom_module_members_on_the_batched_route_follow_their_reference(family):
+    task = ct.Task(residual, digits(), optimizer=family, batch_size=32, iteration_steps=10)
+    lrs = [0.05, 0.02, 0.1] if family == "sgd" else [1e-3, 3e-3, 2e-3]
+    configs = [dict(lr=lr, momentum=0.9, weight_decay=1e-4 * i, seed=i) if family == "sgd" else
+               dict(lr=lr, weight_decay=1e-3 * i, seed=i) for i, lr in enumerate(lrs)]
+    run_and_compare(task, configs, iterations=3)
+
+
+def test_a_forward_that_reads_its_mode_evaluates_in_eval_mode_on_the_batched_route():
+    # val_loss is computed in eval mode: a forward traced in train mode only
+    # would evaluate with the training-time scale.
+    task = ct.Task(lambda c: ScalesWhileTraining(), digits(), optimizer="sgd", batch_size=32, iteration_steps=5)
+    run_and_compare(task, [dict(lr=0.05, seed=1), dict(lr=0.1, seed=2)], iterations=2)
+
+
+class Pairs(Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def test_batched_members_sharing_one_batch_from_a_dataset_follow_their_reference():
+    # Not tensors: every member gets the same batch (one (N, ...) input for the stack).
+    (x, y), (xv, yv) = digits()
+    task = ct.Task(residual, (Pairs(x, y), Pairs(xv, yv)), optimizer="sgd", batch_size=32, iteration_steps=6)
+    run_and_compare(task, [dict(lr=0.05, seed=1), dict(lr=0.1, momentum=0.9, seed=2)], iterations=2)
+
+
+def test_label_smoothing_members_on_the_batched_route_follow_their_reference():
+    task = ct.Task(mlp, digits(), optimizer="sgd", batch_size=32, iteration_steps=10)
+    configs = [dict(lr=0.05, label_smoothing=0.1, seed=1), dict(lr=0.05, seed=2),
+               dict(lr=0.1, label_smoothing=0.3, seed=3)]
+    run_and_compare(task, configs, iterations=2)
+
+
+def test_batched_asked_for_a_model_it_cannot_run_is_refused_saying_why():
+    task = ct.Task(lambda c: Flattening(), digits(), optimizer="sgd", batch_size=32, iteration_steps=2)
+    bucket = ct.Bucket(task, capacity=2, route="batched")
+    with pytest.raises(ValueError, match=r"route='batched' cannot run Flattening: .*size"):
+        bucket.add(dict(lr=0.1, seed=0))
+    assert bucket.live_slots == []
+
+
+def test_the_probe_times_the_batched_route_beside_vmap_for_a_model_it_accepts():
+    task = ct.Task(mlp, digits(), optimizer="sgd", batch_size=32, iteration_steps=2)
+    bucket = ct.Bucket(task, capacity=2)
+    for seed in (1, 2):
+        bucket.add(dict(lr=0.05, seed=seed))
+    bucket.run_iteration()
+    report = bucket.route_report()
+    assert {"eager", "vmap", "batched"} <= set(report["seconds"]) and report["batched"]["eligible"]
+
+
+def test_the_route_report_says_why_a_model_is_not_batched():
+    task = ct.Task(lambda c: SmallCNN(), digits(images=True), optimizer="sgd", batch_size=32, iteration_steps=2)
+    bucket = ct.Bucket(task, capacity=2)
+    for seed in (1, 2):
+        bucket.add(dict(lr=0.05, seed=seed))
+    bucket.run_iteration()
+    report = bucket.route_report()
+    assert "batched" not in report["seconds"] and "Conv2d" in report["batched"]["why_not"]
