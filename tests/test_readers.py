@@ -8,8 +8,31 @@ def among(*names):
 
 def test_a_trial_is_bound_to_a_placed_member_before_one_waiting_for_a_slot():
     readers = Readers()
-    assert readers.bind("t1", ["m1", "m2", "m3"], seated=among("m1", "m2", "m3"), placed=among("m2", "m3")) == "m2"
-    assert readers.member_of("t1") == "m2"
+    member = readers.bind("t1", ["m1", "m2", "m3"], seated=among("m1", "m2", "m3"), placed=among("m2", "m3"))
+    assert member in ("m2", "m3") and readers.member_of("t1") == member
+
+
+def test_trials_are_bound_to_placed_members_in_no_fixed_order():
+    # A grid's first points taken in order looked like FIFO to the evidence rule
+    # (docs/design.md D4, D10): the member a trial reads must not follow the draw order.
+    members = [f"m{i}" for i in range(16)]
+    firsts = [Readers(seed).bind("t1", members, seated=among(*members), placed=among(*members))
+              for seed in range(400)]
+    assert firsts.count("m0") < 60 and len(set(firsts)) == 16  # about 25 each
+
+
+def test_the_same_seed_binds_the_same_members():
+    members = [f"m{i}" for i in range(16)]
+
+    def bindings(seed):
+        readers, left = Readers(seed), list(members)
+        chosen = []
+        for t in range(4):
+            chosen.append(readers.bind(f"t{t}", left, seated=among(*members), placed=among(*members)))
+            left.remove(chosen[-1])
+        return chosen
+
+    assert bindings(3) == bindings(3)
 
 
 def test_with_none_placed_a_trial_is_bound_to_the_oldest_seated_member():

@@ -280,7 +280,7 @@ def test_every_result_carries_the_chorus_fields(own_member_sweep):
             assert key in frame, key
         m = result.metrics
         assert m[rk.MEMBER] == m["trial_id"]  # no ChorusSearch: each trial has a member of its own
-        assert m[rk.BUCKET].startswith("chorus-bucket-") and m[rk.ROUTE] in ("vmap", "eager", "unfused")
+        assert m[rk.BUCKET].startswith("chorus-bucket-") and m[rk.ROUTE] in ("vmap", "batched", "eager", "unfused")
         assert isinstance(m[rk.SLOT], int) and isinstance(m[rk.SEED], int)
         assert 1 <= m[rk.LIVE] <= 3 and m[rk.CAPACITY] == 4
         # O(K) per result: nothing names the bucket-mates.
