@@ -132,6 +132,9 @@ def batched_forward(template: nn.Module) -> BatchedEligibility:
     if hooked is not None:
         return BatchedEligibility(None, hooked)
     modules = dict(template.named_modules())
+    own = _own_weights(template)
+    if own is not None:
+        return BatchedEligibility(None, own)
     graphs: dict[bool, fx.Graph] = {}
     mode = template.training
     try:
@@ -152,6 +155,22 @@ def batched_forward(template: nn.Module) -> BatchedEligibility:
             if why is not None:
                 return BatchedEligibility(None, why)
     return BatchedEligibility(BatchedForward(graphs, template))
+
+
+def _own_weights(template: nn.Module) -> str | None:
+    """Why a Linear's weights are not its own entries of the stack: shared with
+    another module (tied weights appear once, under one name) or computed by a
+    parametrization (weight norm, ...), so the batched call, which reads
+    ``<name>.weight`` off the stack, would not find them."""
+    params = dict(template.named_parameters())
+    for name, m in template.named_modules():
+        if type(m) is not nn.Linear:
+            continue
+        for attr in ("weight", "bias"):
+            if getattr(m, attr) is not None and f"{name}.{attr}" not in params:
+                return (f"the {attr} of Linear {name!r} is not its own parameter "
+                        "(tied to another module's, or computed by a parametrization)")
+    return None
 
 
 def _hooks(template: nn.Module) -> str | None:

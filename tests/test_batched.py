@@ -118,6 +118,32 @@ def test_a_forward_hook_keeps_a_model_off_the_batched_route():
     assert not verdict.eligible and "hook" in verdict.why
 
 
+class Tied(nn.Module):
+    """An autoencoder-like pair of Linears sharing one weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Linear(64, 64, bias=False)
+        self.dec = nn.Linear(64, 64, bias=False)
+        self.dec.weight = self.enc.weight
+        self.head = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.dec(torch.tanh(self.enc(x)))))
+
+
+def test_a_linear_whose_weight_is_not_its_own_is_refused():
+    verdict = batched_forward(Tied())
+    assert not verdict.eligible and "'dec'" in verdict.why and "tied" in verdict.why
+
+
+def test_a_parametrized_linear_is_refused():
+    model = mlp({})
+    nn.utils.parametrizations.weight_norm(model[0])
+    verdict = batched_forward(model)
+    assert not verdict.eligible and "ParametrizedLinear" in verdict.why
+
+
 def run_and_compare(task, configs, iterations, route="batched"):
     bucket = ct.Bucket(task, capacity=len(configs), route=route)
     slots = [bucket.add(c) for c in configs]
