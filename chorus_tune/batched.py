@@ -14,12 +14,15 @@ Which models: those whose ``forward`` ``torch.fx`` traces to a graph of
   matmul over the stack, ``(K, N, in) @ (K, in, out)``),
 - elementwise activations, as modules (:data:`ELEMENTWISE_MODULES`) or
   functions (:data:`ELEMENTWISE_FUNCTIONS`, :data:`ELEMENTWISE_METHODS`),
+- the modules whose settings are lifted per member and that act on each
+  element alone (``nn.Dropout``, ``nn.LeakyReLU``, ``nn.ELU``:
+  ``configuration.stack_form``), each member at its own setting,
 - arithmetic between such values or with Python numbers,
 
 so every tensor in the forward is one per member with the member in dim 0,
 and every op acts on each member's rows alone. Anything else (a flatten or a
 reshape, a reduction, indexing, a parameter read directly, a convolution,
-BatchNorm, dropout, data-dependent control flow, a hook) keeps the model on
+BatchNorm, channel dropout, data-dependent control flow, a hook) keeps the model on
 vmap: :func:`batched_forward` says why. A model it accepts is still checked
 by the route probe against each member's own step, and kept only if faster.
 """
@@ -33,13 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from .configuration import is_lifted, stack_form
+
 Tensors = dict[str, torch.Tensor]
 
 # Modules that act on each element alone, with no parameters: the same on a
 # (K, N, ...) stack as on each member's (N, ...). Exact types only: a subclass
 # may override forward. Modules whose settings chorus_tune lifts per member
 # (Dropout, LeakyReLU, ELU: chorus_tune/configuration.py) are not here: the
-# template holds their lifted form, which reads a per-member setting.
+# template holds their lifted form, run through configuration.stack_form.
 ELEMENTWISE_MODULES: tuple[type[nn.Module], ...] = (
     nn.Identity, nn.ReLU, nn.ReLU6, nn.Tanh, nn.Sigmoid, nn.GELU, nn.SiLU, nn.Mish, nn.Softplus,
     nn.Hardtanh, nn.Hardswish, nn.Hardsigmoid, nn.SELU, nn.CELU, nn.Softsign, nn.Tanhshrink,
@@ -86,7 +91,9 @@ class BatchedForward:
         self._template = template
         self._modules = dict(template.named_modules())
 
-    def __call__(self, params: Tensors, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, params: Tensors, x: torch.Tensor, settings: Tensors | None = None) -> torch.Tensor:
+        """``settings``: each lifted setting's ``(K,)`` values, by the stack's
+        names (``"<module path>.<setting>"``)."""
         env: dict[fx.Node, Any] = {}
 
         def value(n: fx.Node) -> Any:
@@ -102,9 +109,13 @@ class BatchedForward:
                 kwargs = fx.node.map_arg(node.kwargs, value)
                 if node.op == "call_module":
                     module = self._modules[node.target]
+                    lifted = stack_form(module)
                     if type(module) is nn.Linear:
                         env[node] = batched_linear(args[0], params[f"{node.target}.weight"],
                                                    params.get(f"{node.target}.bias"))
+                    elif lifted is not None:
+                        names, fn = lifted
+                        env[node] = fn(args[0], *(settings[f"{node.target}.{n}"] for n in names))
                     else:
                         env[node] = module(*args, **kwargs)
                 elif node.op == "call_function":
@@ -141,7 +152,7 @@ def batched_forward(template: nn.Module) -> BatchedEligibility:
         for training in (True, False):
             template.train(training)
             try:
-                graphs[training] = fx.Tracer().trace(template)
+                graphs[training] = _Tracer().trace(template)
             except Exception as exc:  # noqa: BLE001 - data-dependent control flow, untraceable code, ...
                 return BatchedEligibility(None, f"torch.fx cannot trace its forward ({type(exc).__name__}: {exc})")
     finally:
@@ -155,6 +166,14 @@ def batched_forward(template: nn.Module) -> BatchedEligibility:
             if why is not None:
                 return BatchedEligibility(None, why)
     return BatchedEligibility(BatchedForward(graphs, template))
+
+
+class _Tracer(fx.Tracer):
+    """torch.fx's tracer, with the lifted modules as leaves: their forward is
+    run by ``configuration.stack_form`` (or refused), not traced into."""
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return is_lifted(m) or super().is_leaf_module(m, module_qualified_name)
 
 
 def _own_weights(template: nn.Module) -> str | None:
@@ -196,9 +215,10 @@ def _refusal(node: fx.Node, modules: dict[str, nn.Module]) -> str | None:
         return f"{_describe(node)} takes an argument that is neither a tensor of the forward nor a number"
     if node.op == "call_module":
         kind = type(modules[node.target])
-        if kind is nn.Linear or kind in ELEMENTWISE_MODULES:
+        if kind is nn.Linear or kind in ELEMENTWISE_MODULES or stack_form(modules[node.target]) is not None:
             return None
-        return f"submodule {node.target!r} is a {kind.__name__}, which the batched route does not run"
+        shown = getattr(modules[node.target], "source_type", kind.__name__)  # a lifted module: the user's type
+        return f"submodule {node.target!r} is a {shown}, which the batched route does not run"
     if node.op == "call_function" and node.target in ELEMENTWISE_FUNCTIONS:
         return None
     if node.op == "call_method" and node.target in ELEMENTWISE_METHODS:

@@ -120,6 +120,33 @@ class _LiftedELU(nn.Module):
         return torch.where(x > 0, x, self.alpha.to(x.dtype) * torch.expm1(x))
 
 
+def is_lifted(module: nn.Module) -> bool:
+    """Whether ``module`` is one :func:`lift` put in (it reads per-member settings)."""
+    return type(module) in (_LiftedDropout, _LiftedLeakyReLU, _LiftedELU)
+
+
+def stack_form(module: nn.Module) -> tuple[tuple[str, ...], Callable[..., torch.Tensor]] | None:
+    """For a lifted module that acts on each element alone: the names of its
+    settings and its forward on a stack of members, ``fn(x, *settings)`` with
+    ``x`` ``(K, ...)`` and each setting ``(K,)`` (chorus_tune/batched.py runs
+    it without vmap). ``None`` for the others: channel and alpha dropout
+    draw or shift per channel, which a stack's extra leading dimension moves."""
+    if type(module) is _LiftedDropout and module.feature is None and not module.alpha:
+        # member_dropout looked up at call time, as the lifted module does: the
+        # route probe swaps it for its deterministic form (deterministic_dropout).
+        return ("p",), lambda x, p: _THIS.member_dropout(x, _per_member(p, x), module.training, None)
+    if type(module) is _LiftedLeakyReLU:
+        return ("negative_slope",), lambda x, slope: torch.where(x > 0, x, x * _per_member(slope, x).to(x.dtype))
+    if type(module) is _LiftedELU:
+        return ("alpha",), lambda x, alpha: torch.where(x > 0, x, _per_member(alpha, x).to(x.dtype) * torch.expm1(x))
+    return None
+
+
+def _per_member(setting: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A ``(K,)`` setting shaped to broadcast over a ``(K, ...)`` stack."""
+    return setting.reshape(-1, *([1] * (x.dim() - 1)))
+
+
 @dataclass(frozen=True)
 class Lift:
     """A module type whose ``settings`` the stack gives each member, and how

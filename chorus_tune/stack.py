@@ -436,17 +436,18 @@ class MemberStack:
         if forward is None:
             raise ValueError(f"the batched route cannot run this model: {self.batched.why}")
         if rows is None:
-            params, count = self.params, self.capacity
+            params, settings, count = self.params, self.settings, self.capacity
         else:
             index = torch.tensor(rows, device=self.device)
             params = {n: p.index_select(0, index) for n, p in self.params.items()}  # gradients flow back
+            settings = {n: s.index_select(0, index) for n, s in self.settings.items()}
             count = len(rows)
         if shared:
             x = x.expand(count, *x.shape)
         if getattr(fn, "stacked", False):  # losses.stacked_mean_loss: every member's at once
-            out = fn(forward(params, x), y.expand(count, *y.shape) if shared else y)
+            out = fn(forward(params, x, settings), y.expand(count, *y.shape) if shared else y)
         else:
-            out = torch.vmap(fn, in_dims=(0, None if shared else 0))(forward(params, x), y)
+            out = torch.vmap(fn, in_dims=(0, None if shared else 0))(forward(params, x, settings), y)
         if rows is None:
             return out
         return out.new_zeros((self.capacity, *out.shape[1:])).index_copy(0, index, out)

@@ -12,6 +12,7 @@ from torch.utils.data import Dataset
 import chorus_tune as ct
 from chorus_tune import reference
 from chorus_tune.batched import batched_forward
+from chorus_tune.configuration import lift
 
 from models import SmallCNN, digits, mlp, params_close
 
@@ -103,12 +104,18 @@ def test_a_custom_module_of_linears_activations_and_arithmetic_is_accepted():
     (Normalising(), "mean"),
     (SmallCNN(), "Conv2d"),
     (nn.Sequential(nn.Linear(64, 32), nn.LayerNorm(32), nn.Linear(32, 10)), "LayerNorm"),
-    (nn.Sequential(nn.Linear(64, 32), nn.Dropout(0.2), nn.Linear(32, 10)), "Dropout"),
+    (lift(nn.Sequential(nn.Linear(64, 32), nn.Dropout1d(0.2), nn.Linear(32, 10))), "Dropout1d"),
 ], ids=["flatten", "data_dependent_branch", "parameter_read_directly", "batch_mean", "convolution",
-        "layernorm", "dropout"])
+        "layernorm", "channel_dropout"])
 def test_a_forward_that_may_mix_members_is_refused_naming_why(model, named):
     verdict = batched_forward(model)
     assert not verdict.eligible and named in verdict.why
+
+
+def test_per_member_dropout_leaky_relu_and_elu_are_accepted_as_the_template_lifts_them():
+    model = nn.Sequential(nn.Linear(64, 32), nn.LeakyReLU(0.1), nn.Dropout(0.2), nn.Linear(32, 32), nn.ELU(),
+                          nn.Linear(32, 10))
+    assert batched_forward(lift(model)).eligible
 
 
 def test_a_forward_hook_keeps_a_model_off_the_batched_route():

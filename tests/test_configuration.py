@@ -72,7 +72,7 @@ def ones_through_dropout(route: str, kind: type = nn.Dropout, training: bool = T
     return rates, outputs
 
 
-@pytest.mark.parametrize("route", ["vmap", "compiled", "eager"])
+@pytest.mark.parametrize("route", ["vmap", "compiled", "batched", "eager"])
 def test_eight_members_each_drop_at_their_own_rate_on_every_route(route):
     rates, outputs = ones_through_dropout(route, compile=route == "compiled")
     for slot, p in rates.items():
@@ -89,9 +89,9 @@ def test_eight_members_each_drop_at_their_own_rate_on_every_route(route):
             assert same < 1.0, f"slots {slot} and {twin} (both p={p}) drew the same mask"
 
 
-@pytest.mark.parametrize("kind", [nn.Dropout, nn.AlphaDropout])
-def test_in_eval_mode_every_members_dropout_passes_its_input_through_on_vmap(kind):
-    rates, outputs = ones_through_dropout("vmap", kind, training=False)
+@pytest.mark.parametrize("kind, route", [(nn.Dropout, "vmap"), (nn.AlphaDropout, "vmap"), (nn.Dropout, "batched")])
+def test_in_eval_mode_every_members_dropout_passes_its_input_through_on_a_fused_route(kind, route):
+    rates, outputs = ones_through_dropout(route, kind, training=False)
     for slot, p in rates.items():
         assert torch.equal(outputs[slot], torch.ones(BATCH, WIDE)), f"slot {slot} (p={p}) changed its input in eval"
 
@@ -138,11 +138,12 @@ def seed_mean_curves(runs: dict[tuple[float, int], list[float]]) -> dict[float, 
     return {p: [statistics.fmean(runs[(p, s)][i] for s in SEEDS) for i in range(ITERATIONS)] for p in RATES}
 
 
-def test_dropout_members_train_like_their_own_unfused_run_within_a_stated_bound():
-    torch.manual_seed(0)  # the masks: vmap's and the reference's come from the global generator
+@pytest.mark.parametrize("route", ["vmap", "batched"])
+def test_dropout_members_train_like_their_own_unfused_run_within_a_stated_bound(route):
+    torch.manual_seed(0)  # the masks: the fused route's and the reference's come from the global generator
     task = dropout_task(iteration_steps=30)
     configs = {(p, s): dict(p=p, lr=0.1, seed=10 * s + int(10 * p)) for p in RATES for s in SEEDS}
-    bucket = ct.Bucket(task, len(configs), route="vmap")
+    bucket = ct.Bucket(task, len(configs), route=route)
     slots = {bucket.add(c): key for key, c in configs.items()}
     fused: dict[tuple[float, int], list[float]] = {key: [] for key in configs}
     for _ in range(ITERATIONS):
@@ -189,7 +190,8 @@ def activations_mlp(config: dict) -> nn.Module:
                          nn.ELU(config["alpha"]), nn.Linear(64, 10))
 
 
-def test_members_with_their_own_leaky_relu_slope_and_elu_alpha_share_a_vmapped_bucket_and_follow_their_reference():
+@pytest.mark.parametrize("route", ["vmap", "batched"])
+def test_members_with_their_own_leaky_relu_slope_and_elu_alpha_share_a_fused_bucket_and_follow_their_reference(route):
     task = ct.Task(activations_mlp, DATA, optimizer="sgd", batch_size=32, iteration_steps=25)
     # Measured: within 2.2e-7 of the reference after 100 steps. ELU's vectorised
     # kernel rounds its expm1 differently (1 ulp), and at lr=0.1 with momentum
@@ -197,7 +199,7 @@ def test_members_with_their_own_leaky_relu_slope_and_elu_alpha_share_a_vmapped_b
     configs = [dict(slope=s, alpha=a, lr=0.05, momentum=0.5, seed=i)
                for i, (s, a) in enumerate([(0.01, 1.0), (0.2, 0.5), (0.0, 2.0), (0.5, 1.0)])]
     assert len({task.structural_key(c) for c in configs}) == 1
-    bucket = ct.Bucket(task, 4, route="vmap")
+    bucket = ct.Bucket(task, 4, route=route)
     slots = [bucket.add(c) for c in configs]
     fused = [bucket.run_iteration() for _ in range(4)]
     for slot, config in zip(slots, configs):
