@@ -87,11 +87,13 @@ class BatchedForward:
     the template's mode at call time runs."""
 
     def __init__(self, graphs: dict[bool, fx.Graph], template: nn.Module):
-        self._nodes = {training: list(graph.nodes) for training, graph in graphs.items()}
+        modules = dict(template.named_modules())
+        # Each node's op resolved once, not on every step (a fused step calls this).
+        self._steps = {training: [(node, _op(node, modules)) for node in graph.nodes]
+                       for training, graph in graphs.items()}
         self._template = template
-        self._modules = dict(template.named_modules())
 
-    def __call__(self, params: Tensors, x: torch.Tensor, settings: Tensors | None = None) -> torch.Tensor:
+    def __call__(self, params: Tensors, x: torch.Tensor, settings: Tensors) -> torch.Tensor:
         """``settings``: each lifted setting's ``(K,)`` values, by the stack's
         names (``"<module path>.<setting>"``)."""
         env: dict[fx.Node, Any] = {}
@@ -99,30 +101,35 @@ class BatchedForward:
         def value(n: fx.Node) -> Any:
             return env[n]
 
-        for node in self._nodes[self._template.training]:
+        for node, op in self._steps[self._template.training]:
             if node.op == "placeholder":
                 env[node] = x
             elif node.op == "output":
                 return fx.node.map_arg(node.args[0], value)
             else:
-                args = fx.node.map_arg(node.args, value)
-                kwargs = fx.node.map_arg(node.kwargs, value)
-                if node.op == "call_module":
-                    module = self._modules[node.target]
-                    lifted = stack_form(module)
-                    if type(module) is nn.Linear:
-                        env[node] = batched_linear(args[0], params[f"{node.target}.weight"],
-                                                   params.get(f"{node.target}.bias"))
-                    elif lifted is not None:
-                        names, fn = lifted
-                        env[node] = fn(args[0], *(settings[f"{node.target}.{n}"] for n in names))
-                    else:
-                        env[node] = module(*args, **kwargs)
-                elif node.op == "call_function":
-                    env[node] = node.target(*args, **kwargs)
-                else:  # call_method
-                    env[node] = getattr(args[0], node.target)(*args[1:], **kwargs)
+                env[node] = op(params, settings, fx.node.map_arg(node.args, value),
+                               fx.node.map_arg(node.kwargs, value))
         raise AssertionError("a traced graph always ends in an output node")
+
+
+def _op(node: fx.Node, modules: dict[str, nn.Module]) -> Callable[..., Any] | None:
+    """What ``node`` computes on the stack, as ``op(params, settings, args, kwargs)``
+    (``None`` for the graph's input and output)."""
+    if node.op == "call_module":
+        module, name = modules[node.target], node.target
+        if type(module) is nn.Linear:
+            return lambda params, settings, args, kwargs: batched_linear(
+                args[0], params[f"{name}.weight"], params.get(f"{name}.bias"))
+        lifted = stack_form(module)
+        if lifted is not None:
+            names, fn = lifted
+            return lambda params, settings, args, kwargs: fn(args[0], *(settings[f"{name}.{n}"] for n in names))
+        return lambda params, settings, args, kwargs: module(*args, **kwargs)
+    if node.op == "call_function":
+        return lambda params, settings, args, kwargs: node.target(*args, **kwargs)
+    if node.op == "call_method":
+        return lambda params, settings, args, kwargs: getattr(args[0], node.target)(*args[1:], **kwargs)
+    return None
 
 
 def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -97,6 +97,16 @@ class _LiftedDropout(nn.Module):
         return f"{self.source_type}, p per member"
 
 
+def member_leaky_relu(x: torch.Tensor, slope: torch.Tensor) -> torch.Tensor:
+    """LeakyReLU with ``slope`` a tensor (each member's own, under vmap or broadcast over a stack)."""
+    return torch.where(x > 0, x, x * slope.to(x.dtype))
+
+
+def member_elu(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+    """ELU with ``alpha`` a tensor (each member's own, under vmap or broadcast over a stack)."""
+    return torch.where(x > 0, x, alpha.to(x.dtype) * torch.expm1(x))
+
+
 class _LiftedLeakyReLU(nn.Module):
     """LeakyReLU with a per-member ``negative_slope`` (exactly ``F.leaky_relu``'s
     values and gradients: ``x`` where ``x > 0``, else ``slope * x``)."""
@@ -106,7 +116,7 @@ class _LiftedLeakyReLU(nn.Module):
         self.register_buffer("negative_slope", torch.tensor(float(source.negative_slope)), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x > 0, x, x * self.negative_slope.to(x.dtype))
+        return member_leaky_relu(x, self.negative_slope)
 
 
 class _LiftedELU(nn.Module):
@@ -117,7 +127,7 @@ class _LiftedELU(nn.Module):
         self.register_buffer("alpha", torch.tensor(float(source.alpha)), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.where(x > 0, x, self.alpha.to(x.dtype) * torch.expm1(x))
+        return member_elu(x, self.alpha)
 
 
 def is_lifted(module: nn.Module) -> bool:
@@ -136,9 +146,9 @@ def stack_form(module: nn.Module) -> tuple[tuple[str, ...], Callable[..., torch.
         # route probe swaps it for its deterministic form (deterministic_dropout).
         return ("p",), lambda x, p: _THIS.member_dropout(x, _per_member(p, x), module.training, None)
     if type(module) is _LiftedLeakyReLU:
-        return ("negative_slope",), lambda x, slope: torch.where(x > 0, x, x * _per_member(slope, x).to(x.dtype))
+        return ("negative_slope",), lambda x, slope: member_leaky_relu(x, _per_member(slope, x))
     if type(module) is _LiftedELU:
-        return ("alpha",), lambda x, alpha: torch.where(x > 0, x, _per_member(alpha, x).to(x.dtype) * torch.expm1(x))
+        return ("alpha",), lambda x, alpha: member_elu(x, _per_member(alpha, x))
     return None
 
 

@@ -143,6 +143,16 @@ def module_shapes(module: nn.Module) -> dict[str, Shape]:
     return {n: tuple(t.shape) for n, t in (*module.named_parameters(), *module.named_buffers())}
 
 
+class _RowsIn(NamedTuple):
+    """The tensors a fused call reads (``MemberStack._rows_in``): ``index``
+    is ``None`` for the whole stack, else the rows gathered."""
+
+    index: torch.Tensor | None
+    params: Tensors
+    buffers: Tensors
+    settings: Tensors
+
+
 class MemberStack:
     """Stacked parameters and buffers of up to ``capacity`` members, plus each
     member's module skeleton (on the ``meta`` device: no second copy of weights).
@@ -399,25 +409,31 @@ class MemberStack:
                   rows: list[int] | None = None, compiled: bool = False) -> torch.Tensor:
         """``fn(output, target)`` of every row at once (or of ``rows`` only,
         zeros elsewhere), through the template skeleton."""
-        if rows is None:
-            params, buffers, settings = self.params, self.buffers, self.settings
-        else:
-            index = torch.tensor(rows, device=self.device)
-            params = {n: p.index_select(0, index) for n, p in self.params.items()}  # gradients flow back
-            buffers = {n: b.index_select(0, index) for n, b in self.buffers.items()}
-            settings = {n: s.index_select(0, index) for n, s in self.settings.items()}
+        index, params, buffers, settings = self._rows_in(rows)
         # The lifted modules' buffers take each member's settings like any buffer.
         inputs = {**buffers, **settings}
         if compiled:
             out = self.compiled.call(self._vmapped, fn, shared, params, inputs, x, y)
         else:
             out = self._vmapped(fn, shared)(params, inputs, x, y)
+        if index is not None:
+            with torch.no_grad():  # train-mode BatchNorm updated the gathered copies
+                for n, b in buffers.items():
+                    self.buffers[n].index_copy_(0, index, b)
+        return self._rows_out(out, index)
+
+    def _rows_in(self, rows: list[int] | None) -> "_RowsIn":
+        """What a fused call reads: the stack's own tensors, or copies of
+        ``rows`` only (gradients flow back to the stack's parameters)."""
         if rows is None:
-            return out
-        with torch.no_grad():  # train-mode BatchNorm updated the gathered copies
-            for n, b in buffers.items():
-                self.buffers[n].index_copy_(0, index, b)
-        return out.new_zeros((self.capacity, *out.shape[1:])).index_copy(0, index, out)
+            return _RowsIn(None, self.params, self.buffers, self.settings)
+        index = torch.tensor(rows, device=self.device)
+        return _RowsIn(index, *({n: t.index_select(0, index) for n, t in store.items()}
+                                for store in (self.params, self.buffers, self.settings)))
+
+    def _rows_out(self, out: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+        """A fused call's ``out`` as a ``(capacity, ...)`` tensor: zeros in the rows it did not read."""
+        return out if index is None else out.new_zeros((self.capacity, *out.shape[1:])).index_copy(0, index, out)
 
     @property
     def batched(self) -> BatchedEligibility:
@@ -435,22 +451,15 @@ class MemberStack:
         forward = self.batched.forward
         if forward is None:
             raise ValueError(f"the batched route cannot run this model: {self.batched.why}")
-        if rows is None:
-            params, settings, count = self.params, self.settings, self.capacity
-        else:
-            index = torch.tensor(rows, device=self.device)
-            params = {n: p.index_select(0, index) for n, p in self.params.items()}  # gradients flow back
-            settings = {n: s.index_select(0, index) for n, s in self.settings.items()}
-            count = len(rows)
+        index, params, _, settings = self._rows_in(rows)  # no buffer: batched.py accepts no forward that reads one
+        count = self.capacity if rows is None else len(rows)
         if shared:
             x = x.expand(count, *x.shape)
         if getattr(fn, "stacked", False):  # losses.stacked_mean_loss: every member's at once
             out = fn(forward(params, x, settings), y.expand(count, *y.shape) if shared else y)
         else:
             out = torch.vmap(fn, in_dims=(0, None if shared else 0))(forward(params, x, settings), y)
-        if rows is None:
-            return out
-        return out.new_zeros((self.capacity, *out.shape[1:])).index_copy(0, index, out)
+        return self._rows_out(out, index)
 
     def _vmapped(self, fn: Callable, shared: bool) -> Callable:
         skeleton = self.template

@@ -1,11 +1,14 @@
 """Small models and data shared by the tests (digits: the copy chorus_tune ships, scikit-learn's set)."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 import chorus_tune as ct
+from chorus_tune import reference
 
 
 def digits(n_train: int = 1024, n_val: int = 256, images: bool = False):
@@ -119,3 +122,25 @@ def params_close(a: nn.Module, b: nn.Module, rtol: float) -> float:
         worst = max(worst, ((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item())
     assert worst <= rtol, f"parameters differ by {worst:.3g} relative (bound {rtol})"
     return worst
+
+
+# Each test pins the route it holds to the reference: under route="auto" the
+# probe keeps whichever is faster, and a test could then pass on the eager loop
+# alone. The compiled route is test_compile.py's (compiling takes 45-80 s a
+# model on a 2-core CPU).
+def run_and_compare(task, configs, iterations, rtol, route, **options):
+    """Train ``configs`` in one bucket on ``route`` (``options``: the Bucket's
+    others) and hold each member to ``reference.train``: the bucket and its results."""
+    bucket = ct.Bucket(task, capacity=len(configs), route=route, **options)
+    slots = [bucket.add(c) for c in configs]
+    fused = [bucket.run_iteration() for _ in range(iterations)]
+    assert bucket.route == route
+    assert {m["route"] for results in fused for m in results.values()} == {route}
+    for slot, config in zip(slots, configs):
+        history, model = reference.train(task, config, iterations=iterations)
+        for it in range(iterations):
+            assert math.isclose(fused[it][slot]["val_loss"], history[it]["val_loss"], rel_tol=rtol, abs_tol=1e-7), (
+                f"slot {slot} iteration {it + 1}: fused {fused[it][slot]['val_loss']} vs reference "
+                f"{history[it]['val_loss']}")
+        params_close(bucket.export_model(slot), model, rtol)
+    return bucket, fused

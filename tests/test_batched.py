@@ -2,19 +2,17 @@
 why it refuses the others, and that the members it trains follow their references."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 import chorus_tune as ct
-from chorus_tune import reference
 from chorus_tune.batched import batched_forward
 from chorus_tune.configuration import lift
 
-from models import SmallCNN, digits, mlp, params_close
+import models
+from models import SmallCNN, digits, mlp
 
 RTOL = 1e-5
 
@@ -151,18 +149,8 @@ def test_a_parametrized_linear_is_refused():
     assert not verdict.eligible and "ParametrizedLinear" in verdict.why
 
 
-def run_and_compare(task, configs, iterations, route="batched"):
-    bucket = ct.Bucket(task, capacity=len(configs), route=route)
-    slots = [bucket.add(c) for c in configs]
-    fused = [bucket.run_iteration() for _ in range(iterations)]
-    assert {m["route"] for results in fused for m in results.values()} == {route}
-    for slot, config in zip(slots, configs):
-        history, model = reference.train(task, config, iterations=iterations)
-        for it in range(iterations):
-            assert math.isclose(fused[it][slot]["val_loss"], history[it]["val_loss"], rel_tol=RTOL, abs_tol=1e-7), (
-                slot, it, fused[it][slot]["val_loss"], history[it]["val_loss"])
-        params_close(bucket.export_model(slot), model, RTOL)
-    return bucket
+def run_and_compare(task, configs, iterations):
+    return models.run_and_compare(task, configs, iterations, RTOL, route="batched")
 
 
 @pytest.mark.parametrize("family", ["sgd", "adam"])

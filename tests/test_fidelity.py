@@ -10,7 +10,7 @@ from torch import nn
 import chorus_tune as ct
 from chorus_tune import reference
 
-from models import SmallCNN, cnn, digits, mlp, params_close, regression_task
+from models import SmallCNN, cnn, digits, mlp, params_close, regression_task, run_and_compare
 
 MLP_RTOL = 1e-5  # docs/design.md, 'What equivalent means': float32, 100 steps, MLP
 # Convolutions and BatchNorm sum in a different order batched than unbatched
@@ -30,26 +30,6 @@ OPTIMIZER_CONFIGS = {
     "adamw": [dict(lr=1e-3), dict(lr=3e-3, weight_decay=0.1), dict(lr=2e-3, beta1=0.85, beta2=0.98),
               dict(lr=1e-3, weight_decay=0.0)],
 }
-
-
-# Each test pins the route it holds to the reference: under route="auto" the
-# probe keeps whichever is faster, and a test could then pass on the eager loop
-# alone. The compiled route is test_compile.py's (compiling takes 45-80 s a
-# model on a 2-core CPU).
-def run_and_compare(task, configs, iterations, rtol, route):
-    bucket = ct.Bucket(task, capacity=len(configs), route=route)
-    slots = [bucket.add(c) for c in configs]
-    fused = [bucket.run_iteration() for _ in range(iterations)]
-    assert bucket.route == route
-    assert {m["route"] for results in fused for m in results.values()} == {route}
-    for slot, config in zip(slots, configs):
-        history, model = reference.train(task, config, iterations=iterations)
-        for it in range(iterations):
-            assert math.isclose(fused[it][slot]["val_loss"], history[it]["val_loss"], rel_tol=rtol, abs_tol=1e-7), (
-                f"slot {slot} iteration {it + 1}: fused {fused[it][slot]['val_loss']} vs reference "
-                f"{history[it]['val_loss']}")
-        params_close(bucket.export_model(slot), model, rtol)
-    return bucket, fused
 
 
 @pytest.mark.parametrize("route", ["vmap", "batched"])

@@ -9,8 +9,6 @@ references to the bit on these.
 """
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import nn
@@ -20,6 +18,7 @@ from chorus_tune import reference
 from chorus_tune.route import RouteReason
 from chorus_tune.width_rule import DEFAULT_RULE, WidthRule
 
+import models
 from models import digits, params_close
 
 RTOL = 1e-4
@@ -83,18 +82,8 @@ def token_data():
 
 
 def run_and_compare(task, configs, route, width_rule=DEFAULT_RULE, rtol=RTOL):
-    bucket = ct.Bucket(task, capacity=len(configs), route=route, width_rule=width_rule)
-    slots = [bucket.add(c) for c in configs]
+    bucket, _ = models.run_and_compare(task, configs, ITERATIONS, rtol, route, width_rule=width_rule)
     assert bucket.stack.padded
-    fused = [bucket.run_iteration() for _ in range(ITERATIONS)]
-    assert {m["route"] for results in fused for m in results.values()} == {route}
-    for slot, config in zip(slots, configs):
-        history, model = reference.train(task, config, iterations=ITERATIONS)
-        for it in range(ITERATIONS):
-            assert math.isclose(fused[it][slot]["val_loss"], history[it]["val_loss"], rel_tol=rtol, abs_tol=1e-7), (
-                f"slot {slot} iteration {it + 1}: fused {fused[it][slot]['val_loss']} vs reference "
-                f"{history[it]['val_loss']}")
-        params_close(bucket.export_model(slot), model, rtol)
     return bucket
 
 
