@@ -135,10 +135,11 @@ class IterationRunner:
         failed: dict[int, str] = {}
         while pending:
             group = pending[:size]
-            started = time.perf_counter()
+            started, timing = time.perf_counter(), self.routing.timing
             out, error = self._attempt(group, plan)
             if out is not None:
-                self.group_costs.record(self._route_for(group), len(group), time.perf_counter() - started)
+                if not timing:  # a group that timed the routes cost what no route costs
+                    self.group_costs.record(self._route_for(group), len(group), time.perf_counter() - started)
                 results.update(out)
                 plan.completed.update(group)
                 pending = pending[len(group):]
@@ -289,12 +290,20 @@ class IterationRunner:
         frozen = None if gather or not others else self.stack.snapshot_buffers(others)
         self.stack.set_training(True)
         loss_sum = torch.zeros(self.capacity, device=self.device)
+        # The bucket's route still being timed (not a lone member's): each step
+        # takes the route the timing asks for, and the rest the one it kept.
+        timing = self.routing.timing and route == self.route
         for s in range(plan.steps):
             x, y, shared = self._batch(plan, s, group if gather else None)
+            if timing and self.routing.timing:
+                loss_sum += self._timed_step(x, y, shared, plan.lr[s], active, group, gather, plan.smoothing)
+                continue
+            route = self.route if timing else route
             loss_sum += self._train_step(x, y, shared, plan.lr[s], active, group, route, gather,
                                          plan.smoothing).detach()
         if frozen is not None:
             self.stack.restore_buffers(frozen)
+        route = self.route if timing else route
         val, metric_errors = self._evaluate(group, gather, route)
         train_loss = (loss_sum / plan.steps).tolist()
         # Counters last: a group that fails anywhere above has not advanced.
@@ -310,6 +319,20 @@ class IterationRunner:
             out[k] = {"train_loss": train_loss[k], **{n: v[k] for n, v in val.items()},
                       "iteration": m.iteration, "route": route, "seed": m.seed}
         return out
+
+    def _timed_step(self, x, y, shared: bool, lr: torch.Tensor, active: torch.Tensor, group: list[int],
+                    gather: bool, smoothing: torch.Tensor | None) -> torch.Tensor:
+        """One training step on the route the timing asks for next
+        (:meth:`RouteChoice.step_route`), timed: every candidate agreed with
+        eager on the probe, so any of them may train the step."""
+        route = self.routing.step_route()
+        self._last_routes.add(route)  # the iteration's status line names every route it ran
+        self._sync()
+        started = time.perf_counter()
+        losses = self._train_step(x, y, shared, lr, active, group, route, gather, smoothing).detach()
+        self._sync()
+        self.routing.record_step(route, time.perf_counter() - started)
+        return losses
 
     def _member_out_of_memory(self, plan: IterationPlan, failed: dict[int, str],
                               results: dict[int, dict[str, Any]]) -> MemberOutOfMemory:

@@ -54,11 +54,12 @@ class LoneMember:
     def _trains_one_by_one(self, members: int) -> bool:
         """Whether a group of ``members`` of an ``"auto"`` bucket trains one
         member at a time, unfused: where this bucket has measured that cheaper
-        per member than its route at that group size (chorus_tune/group_costs.py).
-        A route asked for is kept (the tests pin it); the compiled route is
+        per member than its route at that group size (chorus_tune/group_costs.py),
+        and not while its routes are timed on training's steps (one by one,
+        the timing would never end). A route asked for is kept (the tests pin it); the compiled route is
         left to its own probe."""
         return (members > 1 and self.may_train_unfused() and self.route in ("vmap", "batched", "eager")
-                and self.group_costs.trains_unfused(self.route, members))
+                and not self.routing.timing and self.group_costs.trains_unfused(self.route, members))
 
     def _attempt_unfused(self, slot: int, plan: IterationPlan) -> tuple[dict[int, dict[str, Any]] | None, str | None]:
         """:meth:`_attempt` for a lone member trained unfused: ``({slot:

@@ -106,7 +106,7 @@ class PaddedMembers:
         routes are probed (and timed) again: the step costs more now."""
         self.stack.grow(template)
         self.optimizer.grow()
-        self.routing.seconds = {}
+        self.routing.forget_timing()
 
     def _cost(self, shapes: dict) -> Cost:
         return self._profile.cost(shapes, self.stack.params)

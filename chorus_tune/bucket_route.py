@@ -15,7 +15,7 @@ from .bucket_values import (
 from .configuration import deterministic_dropout
 from .data import first_batch, take_rows
 from .memory import is_out_of_memory, release_memory
-from .route import PROBE_TOLERANCE, ProbeResult, RouteReason, decide
+from .route import PROBE_TOLERANCE, TIMING_REPEATS, ProbeResult, RouteReason, decide
 from .task import TensorSplit
 
 
@@ -93,11 +93,13 @@ class RouteProbe:
         return (len(live) < self.capacity and size >= len(live)
                 and all(self._trains_gathered(live, route) for route in self._candidates()))
 
-    def _decide_route(self, live: list[int], size: int) -> None:
+    def _decide_route(self, live: list[int], size: int, time_in_training: bool | None = None) -> None:
+        if time_in_training is None:
+            time_in_training = self._times_in_training(live, size)
         if self._probes_gathered(live, size):
             # A copy of the live rows (the bucket's own stay as they are); the
             # routing it settles is the bucket's (the view shares it).
-            self._gathered(live)._decide_route(list(range(len(live))), size)
+            self._gathered(live)._decide_route(list(range(len(live))), size, time_in_training)
             return
         snapshot = self._snapshot_state()
         self.stack.set_training(True)
@@ -109,9 +111,23 @@ class RouteProbe:
             with deterministic_dropout():
                 decide(self.routing, self._candidates(), groups, self._probe_step,
                        reset=lambda: self._restore_state(snapshot), sync=self._sync,
-                       tolerance=PROBE_TOLERANCE[self.task.precision], is_fatal=is_out_of_memory)
+                       tolerance=PROBE_TOLERANCE[self.task.precision], is_fatal=is_out_of_memory,
+                       time_in_training=time_in_training)
         finally:
             self._restore_state(snapshot)
+
+    def _times_in_training(self, live: list[int], size: int) -> bool:
+        """Whether the candidates are timed on training's own steps
+        (:meth:`RouteChoice.time_in_training`): where every candidate would
+        train ``live`` the same way, in one group on the same stack (gathered
+        or whole), and the next iteration has the steps to time each of them
+        ``TIMING_REPEATS`` times (so the route is settled by its end). Not with
+        the compiled route among them (it gathers only small groups, and its
+        first calls compile), nor once memory has split the members into groups."""
+        candidates = self._candidates()
+        steps = self.task.steps_per_iteration(self.members[live[0]].config)
+        return (size >= len(live) and "compiled" not in candidates
+                and steps >= TIMING_REPEATS * (len(candidates) + 1))
 
     def _probe_batch(self, live: list[int], gather: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The probe's batch, shaped as training's: one per member (each its

@@ -160,3 +160,72 @@ def test_the_route_timing_leaves_the_put_back_untimed():
                           reset=lambda: (resets.append(1), time.sleep(0.02)), repeats=3)
     assert len(resets) == 6
     assert all(s < 0.02 for s in seconds.values())
+
+
+def test_the_timing_in_training_interleaves_the_routes_and_keeps_the_fastest():
+    choice = RouteChoice("auto", repeats=2)
+    choice.time_in_training(["batched", "vmap", "eager"])
+    assert choice.route == "batched" and choice.reason is RouteReason.TIMING and not choice.timed
+    took = {"batched": [0.3, 0.2], "vmap": [0.1, 0.4], "eager": [0.5, 0.6]}
+    order = []
+    while choice.timing:
+        route = choice.step_route()
+        order.append(route)
+        choice.record_step(route, took[route][order.count(route) - 1])
+    assert order == ["batched", "vmap", "eager"] * 2
+    assert choice.seconds == {"batched": 0.2, "vmap": 0.1, "eager": 0.5}  # the best of each
+    assert choice.route == "vmap" and choice.reason is RouteReason.FASTER and choice.checked
+
+
+def test_a_wider_stack_forgets_the_timing_half_done():
+    choice = RouteChoice("auto")
+    choice.time_in_training(["vmap", "eager"])
+    choice.record_step("vmap", 0.1)
+    choice.forget_timing()
+    assert not choice.timing and not choice.timed
+
+
+def _counted_probe_steps(monkeypatch) -> list[str]:
+    seen: list[str] = []
+    step = ct.Bucket._probe_step
+
+    def spy(self, route, live):
+        seen.append(route)
+        return step(self, route, live)
+
+    monkeypatch.setattr(ct.Bucket, "_probe_step", spy)
+    return seen
+
+
+def test_training_steps_time_the_routes_and_the_probe_only_checks_them(monkeypatch):
+    # The probe's own timing ran each route five more times on the probe batch,
+    # put back after each: about half the first iteration (route.py). Now each
+    # candidate runs one probe step, against eager's, and training's first
+    # steps time them, every one a step the members keep.
+    probed = _counted_probe_steps(monkeypatch)
+    task = mlp_task(iteration_steps=16)
+    configs = [dict(lr=0.05 * (s + 1), seed=s) for s in range(3)]
+    bucket = ct.Bucket(task, 3)
+    slots = [bucket.add(c) for c in configs]
+    results = bucket.run_iteration()
+    report = bucket.route_report()
+    assert sorted(probed) == ["batched", "eager", "vmap"]
+    assert set(report["seconds"]) == {"batched", "vmap", "eager"}
+    assert bucket.route_reason is RouteReason.FASTER and bucket.route == min(report["seconds"],
+                                                                              key=report["seconds"].get)
+    assert bucket.last_route == "batched+eager+vmap"
+    for slot, config in zip(slots, configs):
+        expected, model = reference.train(task, config, iterations=1)
+        assert results[slot]["route"] == bucket.route
+        assert math.isclose(results[slot]["val_loss"], expected[0]["val_loss"], rel_tol=1e-5)
+        params_close(bucket.export_model(slot), model, 1e-5)
+
+
+def test_an_iteration_too_short_to_time_every_route_is_timed_by_the_probe(monkeypatch):
+    probed = _counted_probe_steps(monkeypatch)
+    bucket = ct.Bucket(mlp_task(iteration_steps=4), 2)
+    for seed in (1, 2):
+        bucket.add(dict(lr=0.05, seed=seed))
+    bucket.run_iteration()
+    assert len(probed) > 3  # checked, then timed on the probe batch
+    assert bucket.route_reason is not RouteReason.TIMING and bucket.route_report()["seconds"]
