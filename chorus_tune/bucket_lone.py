@@ -16,6 +16,14 @@ Tune continues members one trial at a time, so a bucket often trains one member 
 Where it does not apply, the lone member stays on the eager route: a route asked for
 (the tests pin routes), and shared batches (a ``Dataset`` split: the bucket draws one
 stream of batches for all members, which a member trained on its own would not see).
+Nor before ``torch.optim``'s first use is paid in the process (``torch._dynamo``
+imported: ``unfused.torch_optim_ready``): the import took 1.0 s alone on the 2-core
+machine, and 3.2-3.5 s for the last survivor of each of two buckets under ChorusASHA
+(128 trials, ``synth-mlp64``: their first unfused iteration against 0.09 s for the next),
+at the very end of the sweep, where a bucket decides its own rungs and never waits to
+warm it (``warm_unfused``, called while a bucket waits for Tune). The eager epoch costs
+a fifth more (0.113 s against 0.094 s, width-64 MLP): the import buys that back only
+after some 50 epochs alone.
 """
 from __future__ import annotations
 
@@ -26,21 +34,22 @@ from .memory import is_out_of_memory, release_memory
 from .task import TensorSplit
 from .task_metrics import MetricError
 from .unfused import ROUTE as UNFUSED
-from .unfused import UnfusedMember, warm_torch_optim
+from .unfused import UnfusedMember, torch_optim_ready, warm_torch_optim
 
 
 class LoneMember:
     """A lone member's iteration, unfused (Bucket's part; see the module)."""
 
     def _lone_route(self) -> str:
-        """The route a lone member of an ``"auto"`` bucket takes."""
-        return UNFUSED if isinstance(self._train, TensorSplit) else "eager"
+        """The route a lone member of an ``"auto"`` bucket takes: unfused
+        where it may, once ``torch.optim`` is warm in this process (see the module)."""
+        return UNFUSED if self.may_train_unfused() and torch_optim_ready() else "eager"
 
     def may_train_unfused(self) -> bool:
         """Whether a member of this bucket may train unfused: an ``"auto"``
         bucket on a split of tensors (where it is alone, or where
         ``group_costs`` measured that cheaper)."""
-        return self.routing.requested == "auto" and self._lone_route() == UNFUSED
+        return self.routing.requested == "auto" and isinstance(self._train, TensorSplit)
 
     def warm_unfused(self) -> bool:
         """Pay now what the first member trained unfused would pay in this
@@ -58,7 +67,7 @@ class LoneMember:
         and not while its routes are timed on training's steps (one by one,
         the timing would never end). A route asked for is kept (the tests pin it); the compiled route is
         left to its own probe."""
-        return (members > 1 and self.may_train_unfused() and self.route in ("vmap", "batched", "eager")
+        return (members > 1 and self._lone_route() == UNFUSED and self.route in ("vmap", "batched", "eager")
                 and not self.routing.timing and self.group_costs.trains_unfused(self.route, members))
 
     def _attempt_unfused(self, slot: int, plan: IterationPlan) -> tuple[dict[int, dict[str, Any]] | None, str | None]:

@@ -21,6 +21,7 @@ count per parameter.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 import torch
@@ -31,12 +32,20 @@ from .member_state import check_member_state, check_state_fits
 from .optim import optimizer_family
 from .reference import ReferenceRun
 
-__all__ = ["UnfusedMember", "member_optimizer_state", "torch_optimizer_state", "warm_torch_optim"]
+__all__ = ["UnfusedMember", "member_optimizer_state", "torch_optimizer_state", "torch_optim_ready",
+           "warm_torch_optim"]
 
 # The route a member trained here reports (``chorus/route``).
 ROUTE = "unfused"
 
 _warmed = False
+
+
+def torch_optim_ready() -> bool:
+    """Whether ``torch.optim``'s first use is already paid in this process
+    (``torch._dynamo`` imported, by :func:`warm_torch_optim` or by anything
+    else): until then a member trained here first pays about a second."""
+    return _warmed or "torch._dynamo" in sys.modules
 
 
 def warm_torch_optim() -> None:

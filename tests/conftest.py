@@ -40,6 +40,14 @@ import torch
 # set their own (buckets: ChorusBucket's thread count).
 torch.set_num_threads(1)
 
+# torch.optim's first use paid once for the whole suite (it imports torch._dynamo):
+# a bucket trains a lone member unfused only once it is (bucket_lone.py), and without
+# this a test's route would depend on whether an earlier test had used torch.optim.
+# The tests of the cold case say so (``torch_optim_cold``).
+from chorus_tune.unfused import warm_torch_optim  # noqa: E402
+
+warm_torch_optim()
+
 _SHARED: dict[str, str | None] = {"gcs_address": None}
 FREE_WAIT_S = 30.0
 
@@ -178,6 +186,14 @@ def vmap_times_faster(monkeypatch):
     record_step = route.RouteChoice.record_step
     monkeypatch.setattr(route.RouteChoice, "record_step",
                         lambda self, r, seconds: record_step(self, r, 0.5 if r == "vmap" else 1.0))
+
+
+@pytest.fixture
+def torch_optim_cold(monkeypatch):
+    """As in a process where ``torch.optim`` was never used (this one has: above)."""
+    from chorus_tune import bucket_lone
+
+    monkeypatch.setattr(bucket_lone, "torch_optim_ready", lambda: False)
 
 
 def pytest_collection_modifyitems(config, items):

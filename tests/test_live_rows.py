@@ -148,6 +148,20 @@ def test_a_lone_member_of_an_auto_bucket_trains_unfused():
     assert [h["val_loss"] for h in history] == pytest.approx([e["val_loss"] for e in expected[1:]], rel=RTOL)
 
 
+def test_a_lone_member_trains_eager_until_torch_optim_is_warm_in_the_process(torch_optim_cold):
+    # The first torch.optim use imports torch._dynamo (1.0 s alone, 3.2-3.5 s for
+    # each of two buckets' last survivors under ChorusASHA): not worth it for a
+    # lone member's epochs, a fifth cheaper unfused (bucket_lone.py).
+    task = mlp_task()
+    chosen = configs(2)
+    bucket = filled(task, 2, chosen, "auto")
+    bucket.run_iteration()
+    lone = bucket.run_iteration([1])[1]
+    assert lone["route"] == "eager" and bucket.last_route == "eager" and bucket.last_rows == 1
+    expected, _ = reference.train(task, chosen[1], iterations=2)
+    assert lone["val_loss"] == pytest.approx(expected[1]["val_loss"], rel=RTOL)
+
+
 @pytest.mark.parametrize("optimizer", list(FAMILIES))
 def test_a_member_moving_between_fused_and_unfused_iterations_follows_its_reference(optimizer):
     # Fused, then alone (unfused: its state read out of the stack and written
