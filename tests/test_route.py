@@ -141,11 +141,16 @@ def test_the_probe_of_a_partly_filled_bucket_runs_on_its_live_rows_as_training_d
         params_close(bucket.export_model(slot), model, 1e-5)
 
 
-def test_the_probe_of_a_full_bucket_runs_on_the_whole_stack(monkeypatch):
-    seen = _probed_stack_sizes(monkeypatch)
-    bucket = ct.Bucket(mlp_task(iteration_steps=3), 2)
+def _two_members(iteration_steps: int) -> ct.Bucket:
+    bucket = ct.Bucket(mlp_task(iteration_steps=iteration_steps), 2)
     for seed in (1, 2):
         bucket.add(dict(lr=0.05, seed=seed))
+    return bucket
+
+
+def test_the_probe_of_a_full_bucket_runs_on_the_whole_stack(monkeypatch):
+    seen = _probed_stack_sizes(monkeypatch)
+    bucket = _two_members(iteration_steps=3)
     bucket.run_iteration()
     assert seen and {rows for _, rows in seen} == {2}
 
@@ -185,31 +190,19 @@ def test_a_wider_stack_forgets_the_timing_half_done():
     assert not choice.timing and not choice.timed
 
 
-def _counted_probe_steps(monkeypatch) -> list[str]:
-    seen: list[str] = []
-    step = ct.Bucket._probe_step
-
-    def spy(self, route, live):
-        seen.append(route)
-        return step(self, route, live)
-
-    monkeypatch.setattr(ct.Bucket, "_probe_step", spy)
-    return seen
-
-
 def test_training_steps_time_the_routes_and_the_probe_only_checks_them(monkeypatch):
     # The probe's own timing ran each route five more times on the probe batch,
     # put back after each: about half the first iteration (route.py). Now each
     # candidate runs one probe step, against eager's, and training's first
     # steps time them, every one a step the members keep.
-    probed = _counted_probe_steps(monkeypatch)
+    probed = _probed_stack_sizes(monkeypatch)
     task = mlp_task(iteration_steps=16)
     configs = [dict(lr=0.05 * (s + 1), seed=s) for s in range(3)]
     bucket = ct.Bucket(task, 3)
     slots = [bucket.add(c) for c in configs]
     results = bucket.run_iteration()
     report = bucket.route_report()
-    assert sorted(probed) == ["batched", "eager", "vmap"]
+    assert sorted(route for route, _ in probed) == ["batched", "eager", "vmap"]
     assert set(report["seconds"]) == {"batched", "vmap", "eager"}
     assert bucket.route_reason is RouteReason.FASTER and bucket.route == min(report["seconds"],
                                                                               key=report["seconds"].get)
@@ -222,10 +215,8 @@ def test_training_steps_time_the_routes_and_the_probe_only_checks_them(monkeypat
 
 
 def test_an_iteration_too_short_to_time_every_route_is_timed_by_the_probe(monkeypatch):
-    probed = _counted_probe_steps(monkeypatch)
-    bucket = ct.Bucket(mlp_task(iteration_steps=4), 2)
-    for seed in (1, 2):
-        bucket.add(dict(lr=0.05, seed=seed))
+    probed = _probed_stack_sizes(monkeypatch)
+    bucket = _two_members(iteration_steps=4)
     bucket.run_iteration()
     assert len(probed) > 3  # checked, then timed on the probe batch
     assert bucket.route_reason is not RouteReason.TIMING and bucket.route_report()["seconds"]
