@@ -15,7 +15,7 @@ from .bucket_values import (
 from .configuration import deterministic_dropout
 from .data import first_batch, take_rows
 from .memory import is_out_of_memory, release_memory
-from .route import PROBE_TOLERANCE, TIMING_REPEATS, ProbeResult, RouteReason, decide
+from .route import PROBE_TOLERANCE, ProbeResult, RouteReason, decide
 from .task import TensorSplit
 
 
@@ -121,13 +121,13 @@ class RouteProbe:
         (:meth:`RouteChoice.time_in_training`): where every candidate would
         train ``live`` the same way, in one group on the same stack (gathered
         or whole), and the next iteration has the steps to time each of them
-        ``TIMING_REPEATS`` times (so the route is settled by its end). Not with
+        ``RouteChoice.repeats`` times (so the route is settled by its end). Not with
         the compiled route among them (it gathers only small groups, and its
         first calls compile), nor once memory has split the members into groups."""
         candidates = self._candidates()
         steps = self.task.steps_per_iteration(self.members[live[0]].config)
         return (size >= len(live) and "compiled" not in candidates
-                and steps >= TIMING_REPEATS * (len(candidates) + 1))
+                and steps >= self.routing.repeats * (len(candidates) + 1))
 
     def _probe_batch(self, live: list[int], gather: bool) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """The probe's batch, shaped as training's: one per member (each its
