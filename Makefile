@@ -51,7 +51,7 @@ CHORUS_TORCH_SITE := .bench-venv/site
 $(CHORUS_TORCH_SITE)/chorus/__init__.py: $(BIN)/python
 	$(BIN)/pip install $(PIP_FLAGS) --no-deps --ignore-requires-python --upgrade --target $(CHORUS_TORCH_SITE) chorus-torch==0.1.0
 
-.PHONY: bench-chorus bench-step bench-tune bench-startup bench-overhead
+.PHONY: bench-chorus bench-step bench-tune bench-startup bench-overhead bench-mnist
 bench-chorus: setup $(CHORUS_TORCH_SITE)/chorus/__init__.py
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/vs_chorus.py --threads 1 --json benchmarks/results/vs_chorus.json
@@ -72,6 +72,11 @@ bench-tune: setup
 	$(BIN)/python benchmarks/vs_tune.py --workload synth-mixed --ways plain,chorus,fused \
 	    --rows asha:10:16 --repeats 3 --warmup 1 --out benchmarks/reported \
 	    --name vs_tune-synth-mixed
+
+# Ray's own tune/examples/mnist_pytorch.py, plain and ported (issue 39): as shipped (reuse_actors off) and
+# with reuse_actors=True, each way a warm-up then 2 repeats interleaved (about 12 minutes on 2 cores).
+bench-mnist: setup
+	$(BIN)/python benchmarks/ray_mnist.py --repeats 2 --warmup 1 --out benchmarks/reported --name ray_mnist
 
 # Tune's own cost per result, with and without its TensorBoard logger.
 bench-overhead: setup
