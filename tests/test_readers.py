@@ -40,6 +40,22 @@ def test_with_none_placed_a_trial_is_bound_to_the_oldest_seated_member():
     assert readers.bind("t1", ["m1", "m2"], seated=among("m1", "m2"), placed=among()) == "m1"
 
 
+def test_while_no_bucket_has_started_trials_are_bound_to_slotted_members_in_no_fixed_order():
+    # The run's first trials bind while its first buckets start, before any
+    # member is placed: taken oldest first, they were the grid's first points
+    # in order again (docs/design.md D4).
+    members = [f"m{i}" for i in range(16)]
+    firsts = [Readers(seed).bind("t1", members, seated=among(*members), placed=among(),
+                                 slotted=among(*members[:8])) for seed in range(400)]
+    assert set(firsts) == set(members[:8]) and firsts.count("m0") < 100  # about 50 each
+
+
+def test_a_member_already_placed_is_bound_before_one_whose_bucket_still_starts():
+    readers = Readers()
+    assert readers.bind("t1", ["m1", "m2", "m3"], seated=among("m1", "m2", "m3"), placed=among("m3"),
+                        slotted=among("m1", "m2", "m3")) == "m3"
+
+
 def test_candidates_not_seated_are_passed_over():
     readers = Readers()
     assert readers.bind("t1", ["m1", "m2"], seated=among("m2"), placed=among("m1", "m2")) == "m2"

@@ -108,6 +108,16 @@ def test_a_continued_trial_speculates_only_to_the_next_learnt_point():
     assert book.get("m0").produced == 4
 
 
+def test_a_stop_counted_as_the_leave_arrives_is_not_counted_again_when_the_member_leaves():
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 1)
+    run(book)
+    book.attach("m0")
+    book.ask("m0")  # its trial read iteration 1, then left
+    assert book.count_stop("m0") and not book.count_stop("m0")
+    book.leave("m0")
+    assert book.stops.stopped == {1: 1} and book.stops.points == (1,)
+
+
 def test_a_finished_member_leaving_teaches_nothing():
     book = book_with(Plan(run_ahead=2, budget=3, speculate=True), 1)
     follow(book, "m0")

@@ -161,6 +161,11 @@ class Membership:
         if record is None or record.phase is Phase.LEFT:
             return False
         self.book.read_to(member, read)  # what Tune read counts as read, the rest as wasted
+        if self.book.count_stop(member) and self._pool is not None:
+            # Now, not after the running iteration frees the slot: the trials
+            # Tune continues meanwhile count at once, and their continues must
+            # not clear the point this stop teaches (docs/design.md D4).
+            self._pool.stops_seen.remote(self.name, dict(self.book.stops.stopped), dict(self.book.stops.continued))
         if keep_state and record.state_at_taken is not None:
             self.retired[member] = self._held_states(record, read)
             while len(self.retired) > RETIRED_KEEP:

@@ -75,11 +75,16 @@ class Seating:
 
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
         """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
-        first): one with a bucket before one still waiting for a slot, so the
-        trials Tune runs read results that exist. Returns the member; for a
+        first): one with a bucket, then one with a slot in a bucket still
+        starting, before one still waiting for a slot, so the trials Tune runs
+        read results that exist (or soon will). Returns the member; for a
         trial that runs already, the candidate it reads, or ``None`` when it
         reads a member of its own."""
-        return self.readers.bind(trial_id, candidates, self.seats.is_seated, self.seats.is_housed)
+        return self.readers.bind(trial_id, candidates, self.seats.is_seated, self.seats.is_housed, self._is_slotted)
+
+    def _is_slotted(self, member: str) -> bool:
+        """Whether ``member`` has a slot in a bucket (housed, or its bucket still starting)."""
+        return self.placement is not None and self.placement.bucket_of(member) is not None
 
     async def expect_scout(self, trial_id: str, seat: tuple[str, dict, int]) -> None:
         """ChorusSearch (no ``task=``) hands Tune ``trial_id`` first: when its

@@ -105,6 +105,7 @@ class MemberRecord:
     # A cohort token carried from another bucket (regrouping.py): cohorts form
     # only among members of one token. None: never moved (D11's rule as it is).
     cohort: str | None = None
+    stop_counted: bool = False  # its trial's leave was counted as Tune's stop (MemberBook.count_stop)
 
     @property
     def in_slot(self) -> bool:
@@ -279,12 +280,7 @@ class MemberBook:
         if record is None or record.phase is Phase.LEFT:
             return None
         slot = record.slot if record.in_slot else None
-        if (record.attached and record.taken >= 1 and record.phase is not Phase.FAILED
-                and (record.final is None or record.taken < record.final)):
-            # Its trial left before the end the bucket knew of (its cap, a rung,
-            # a criterion), even if the member had trained that far already:
-            # Tune stopped it after its last result (a stopper, a scheduler).
-            self.stops.stop(record.taken)
+        self.count_stop(member)
         if record.phase is not Phase.FAILED:
             wasted = record.produced - record.taken
             record.wasted += wasted
@@ -295,6 +291,25 @@ class MemberBook:
         record.state_at_taken = None
         record.phase, record.slot = Phase.LEFT, None
         return slot
+
+    def count_stop(self, member: str) -> bool:
+        """Count the stop that ``member``'s trial leaving now means, once:
+        its trial left before the end the bucket knew of (its cap, a rung, a
+        criterion), even if the member had trained that far already, so Tune
+        stopped it after its last result (a stopper, a scheduler). Called by
+        :meth:`leave`, and by the bucket as soon as a leave arrives: a leave
+        waits for the running iteration to free the slot, while the continues
+        of other trials count at once, and a stop counted only after the
+        iteration let their continues clear the point first (docs/design.md
+        D4). Whether it counted one now."""
+        record = self.records.get(member)
+        if (record is None or record.phase in (Phase.LEFT, Phase.FAILED) or record.stop_counted
+                or not record.attached or record.taken < 1
+                or (record.final is not None and record.taken >= record.final)):
+            return False
+        record.stop_counted = True
+        self.stops.stop(record.taken)
+        return True
 
     def move_out(self, member: str) -> int:
         """``member`` goes on training in another bucket (regrouping.py): it

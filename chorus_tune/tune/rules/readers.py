@@ -23,13 +23,15 @@ class Readers:
         self._tokens = 0
         self._rng = random.Random(seed)  # which placed member a trial reads (bind says why)
 
-    def bind(self, trial_id: str, candidates: list[str], seated: Known, placed: Known) -> str | None:
+    def bind(self, trial_id: str, candidates: list[str], seated: Known, placed: Known,
+             slotted: Known | None = None) -> str | None:
         """Bind ``trial_id`` to one of ``candidates`` that is ``seated``: a
-        ``placed`` one (it has a bucket), drawn at random (seeded), before the
-        oldest one still waiting for a slot, so the trials Tune runs read
-        results that exist. For a trial that reads already: the candidate it
-        reads, or ``None`` when it reads another member (its own). ``None`` too
-        when no candidate is seated.
+        ``placed`` one (its bucket expects it), drawn at random (seeded); else,
+        drawn the same way, a ``slotted`` one (it has a slot in a bucket that is
+        still starting); else the oldest one still waiting for a slot. So the
+        trials Tune runs read results that exist, or soon will. For a trial that
+        reads already: the candidate it reads, or ``None`` when it reads another
+        member (its own). ``None`` too when no candidate is seated.
 
         Why at random among the placed (docs/design.md D10, measured there):
         taken oldest first, a grid's first trials are its first points in
@@ -39,15 +41,21 @@ class Readers:
         evidence rule fails"); and the trials Tune runs read one bucket while
         the other waited. Drawn at random, the run's first results came
         sooner and its wall time was no worse, with fewer members a fused
-        iteration."""
+        iteration. The same holds while the run's first buckets start (no
+        member placed yet, each of theirs slotted): taken oldest first there,
+        the run's first four trials were still the grid's first four points,
+        and one stock-ASHA run in five at 128 trials wasted 96-394
+        member-epochs (docs/design.md D4)."""
         if trial_id in self.reading:
             member = self.reading[trial_id][0]
             return member if member in candidates else None
         known = [m for m in candidates if seated(m)]
         if not known:
             return None
-        housed = [m for m in known if placed(m)]
-        member = self._rng.choice(housed) if housed else known[0]
+        pool = [m for m in known if placed(m)]
+        if not pool and slotted is not None:
+            pool = [m for m in known if slotted(m)]
+        member = self._rng.choice(pool) if pool else known[0]
         self.bound[trial_id] = member
         return member
 
