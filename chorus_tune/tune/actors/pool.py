@@ -36,6 +36,7 @@ from chorus_tune.tune.actors.pool_seating import Seating
 from chorus_tune.tune.actors.shared_data import DataCopies
 from chorus_tune.tune.actors.sizing import fit_summary, measure_bucket_size
 from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
+from chorus_tune.tune.rules.actor_reuse import ActorReuse
 from chorus_tune.tune.rules.bucket_history import BucketHistory
 from chorus_tune.tune.rules.closing import Watches
 from chorus_tune.tune.rules.grouping import GroupKey, split_from, width_device
@@ -114,6 +115,7 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         self.history = BucketHistory()
         self.seats = SeatBook()  # seated members, those that cannot be built, and each member's home bucket
         self.readers = Readers()  # trial id -> the member it reads (or the seated one it is bound to)
+        self.actor_reuse = ActorReuse()  # whether Tune starts a process for every trial (said once a run)
         self.plans: dict[str, RungSchedule] = {}  # trial id -> rungs ChorusASHA announced
         self._waiting: dict[str, asyncio.Future] = {}
         self._closing = Watches()  # buckets closing once drained

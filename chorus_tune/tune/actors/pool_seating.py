@@ -135,6 +135,7 @@ class Seating:
         run at a time per driver is assumed, as for the stop counts above."""
         self._start()
         self._stops.clear()
+        self.actor_reuse.new_run()
         for handle in list(self.handles.values()):
             handle.reset_stops.remote()
         unread = self.seats.unread(self.readers.members_read(), spare=seated_by)
@@ -177,6 +178,13 @@ class Seating:
             self._hold_scout(trial_id, task_id_, options)
         member = self.readers.bound_member(trial_id, self.seats.is_seated)  # None once lost with its bucket
         token = self.readers.start(trial_id, trial_id if member is None else member)
+        if self.actor_reuse.reserved(trial_id, client, len(self.readers.reading)):
+            logger.warning(
+                "chorus_tune: each of this run's first %d trials started a process of its own: Tune's "
+                "TuneConfig(reuse_actors=...) is off (its default). Each new process imports Ray Tune (about "
+                "1.5 CPU-s) before its trial reads a result; reuse_actors=True lets a finished trial's process "
+                "serve the next (Ray's mnist_pytorch.py, 50 trials on 2 cores: 71.8 s off, 16.9 s on; "
+                "docs/benchmarks.md).", len(self.actor_reuse.trials))
         if member is not None:
             failure = self.seats.failure(member)
             if failure is not None:
