@@ -43,9 +43,9 @@ class Readers:
         sooner and its wall time was no worse, with fewer members a fused
         iteration. The same holds while the run's first buckets start (no
         member placed yet, each of theirs slotted): taken oldest first there,
-        the run's first four trials were still the grid's first four points,
-        and one stock-ASHA run in five at 128 trials wasted 96-394
-        member-epochs (docs/design.md D4)."""
+        the run's first four trials were still the grid's first four points
+        (one logged stock-ASHA run at 128 trials wasted 394 member-epochs so;
+        docs/design.md D4)."""
         if trial_id in self.reading:
             member = self.reading[trial_id][0]
             return member if member in candidates else None
