@@ -184,7 +184,7 @@ class Seating:
                 "TuneConfig(reuse_actors=...) is off (its default). Each new process imports Ray Tune (about "
                 "1.5 CPU-s) before its trial reads a result; reuse_actors=True lets a finished trial's process "
                 "serve the next (Ray's mnist_pytorch.py, 50 trials on 2 cores: 71.8 s off, 16.9 s on; "
-                "docs/benchmarks.md).", len(self.actor_reuse.trials))
+                "docs/benchmarks.md).", self.actor_reuse.trials)
         if member is not None:
             failure = self.seats.failure(member)
             if failure is not None:

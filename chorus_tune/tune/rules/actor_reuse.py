@@ -21,19 +21,19 @@ class ActorReuse:
 
     def __init__(self, min_trials: int = MIN_TRIALS):
         self.min_trials = min_trials
+        self.new_run()
+
+    def new_run(self) -> None:
+        """A new Tune run starts in this driver (it may set ``reuse_actors`` otherwise): forget the last."""
         self._trials: set[str] = set()
         self._clients: set[str] = set()
         self._peak = 0
         self._said = False
 
     @property
-    def trials(self) -> set[str]:
-        """The run's trials seen so far."""
-        return self._trials
-
-    def new_run(self) -> None:
-        """A new Tune run starts in this driver: it may set ``reuse_actors`` otherwise."""
-        self.__init__(self.min_trials)
+    def trials(self) -> int:
+        """How many of the run's trials have reserved so far."""
+        return len(self._trials)
 
     def reserved(self, trial_id: str, client: str | None, in_flight: int) -> bool:
         """Trial ``trial_id`` reserved from the actor ``client`` while ``in_flight``
