@@ -283,6 +283,7 @@ def test_a_trial_stopped_while_an_iteration_runs_teaches_its_point_before_the_it
     # 648 member-epochs so).
     async def scenario():
         bucket = make_bucket(2)
+        bucket._pool = notices = _NoticesTaken()
         gate = Gate(bucket._train)
         gate.opened.set()  # iteration 1 runs freely
         bucket._train = gate
@@ -296,13 +297,15 @@ def test_a_trial_stopped_while_an_iteration_runs_teaches_its_point_before_the_it
         leaving = asyncio.create_task(bucket.leave("a", read=1))  # Tune stopped a's trial at 1
         await asyncio.sleep(0)
         learnt_during = bucket.book.stops.points
+        told_during = [sent for sent in notices.sent if len(sent) == 3 and sent[1]]  # stops_seen with a stop
         gate.opened.set()
         await leaving
         await asking
-        return bucket, learnt_during
+        return bucket, learnt_during, told_during
 
-    bucket, learnt_during = asyncio.run(scenario())
+    bucket, learnt_during, told_during = asyncio.run(scenario())
     assert learnt_during == (1,)
+    assert [stopped for _, stopped, _ in told_during] == [{1: 1}]  # the run's other buckets hear it then
     assert bucket.book.stops.stopped == {1: 1}  # counted once, not again when the slot was freed
 
 

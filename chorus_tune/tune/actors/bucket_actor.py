@@ -192,8 +192,9 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
         return self._pool.member_out.remote(self.name, member, reason, portable(error))
 
     def _send_stops_news(self) -> None:
-        """Tune continued a trial where the run's other buckets still wait for
-        evidence (docs/design.md D4): they hear this bucket's counts."""
+        """Tune stopped a trial early, or continued one where the run's other
+        buckets still wait for evidence (docs/design.md D4): they hear this
+        bucket's counts."""
         if self.book.news and self._pool is not None:
             self.book.news = False
             self._pool.stops_seen.remote(self.name, dict(self.book.stops.stopped), dict(self.book.stops.continued))

@@ -161,11 +161,11 @@ class Membership:
         if record is None or record.phase is Phase.LEFT:
             return False
         self.book.read_to(member, read)  # what Tune read counts as read, the rest as wasted
-        if self.book.count_stop(member) and self._pool is not None:
-            # Now, not after the running iteration frees the slot: the trials
-            # Tune continues meanwhile count at once, and their continues must
-            # not clear the point this stop teaches (docs/design.md D4).
-            self._pool.stops_seen.remote(self.name, dict(self.book.stops.stopped), dict(self.book.stops.continued))
+        # Its stop counts now, not after the running iteration frees the slot:
+        # the trials Tune continues meanwhile count at once, and their continues
+        # must not clear the point this stop teaches (docs/design.md D4).
+        self.book.count_stop(member)
+        self._send_stops_news()
         if keep_state and record.state_at_taken is not None:
             self.retired[member] = self._held_states(record, read)
             while len(self.retired) > RETIRED_KEEP:
@@ -176,7 +176,6 @@ class Membership:
                          fetched)
         self.clients.pop(member, None)
         wasted = self.book.wasted
-        stops = dict(self.book.stops.stopped)
         if record.in_slot:
             async with self._lock:  # slots change only between iterations
                 now = self.book.get(member)
@@ -190,9 +189,7 @@ class Membership:
         if self.book.wasted > wasted:
             logger.info("%s: member %s left with %d result(s) unread, wasted %d", self.name, member,
                         self.book.wasted - wasted, self.book.wasted)
-        if self.book.stops.stopped != stops and self._pool is not None:
-            # Tune stopped a trial early: the run's other buckets learn it too.
-            self._pool.stops_seen.remote(self.name, self.book.stops.stopped, self.book.stops.continued)
+        self._send_stops_news()  # a stop the leave itself counted (Tune stopped a trial early)
         self._resolve(member)
         self.metrics.members(self.live, self.core.capacity)
         self.metrics.wasted(self.book.wasted)

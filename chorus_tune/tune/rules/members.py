@@ -235,8 +235,9 @@ class MemberBook:
         self.records: dict[str, MemberRecord] = {}
         self.wasted = 0
         self.stops = StopRecord()
-        # A continue the run's other buckets have not heard of and that may
-        # change what they know (the bucket actor sends its counts, then clears it).
+        # A stop, or a continue, the run's other buckets have not heard of and
+        # that may change what they know (the bucket actor sends its counts,
+        # then clears it).
         self.news = False
         self._ready_since: float | None = None
         # Members the pool has placed here to refill freed slots, on their way
@@ -309,6 +310,7 @@ class MemberBook:
             return False
         record.stop_counted = True
         self.stops.stop(record.taken)
+        self.news = True  # the run's other buckets learn it too
         return True
 
     def move_out(self, member: str) -> int:
