@@ -53,7 +53,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -279,9 +278,18 @@ def fit(way: str, bucket_size: int) -> Run:
                mean_live=live, mean_rows=rows, read_ms=timeline.read_ms(), settle_s=0.0, repeat=0)
 
 
-def _med(values):
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
+# Each way's summary: the median, over its timed runs, of each (``best``: of the best mean_accuracy).
+_MEDIANS = {
+    "median_wall_s": lambda r: r.wall_s,
+    "median_member_epochs": lambda r: r.read + r.wasted,
+    "median_wasted": lambda r: r.wasted,
+    "median_s_per_member_epoch": lambda r: r.s_per_member_epoch,
+    "median_first_result_s": lambda r: r.first_result_s,
+    "median_mean_live": lambda r: r.mean_live,
+    "median_mean_rows": lambda r: r.mean_rows,
+    "median_read_ms": lambda r: r.read_ms,
+    "best": lambda r: r.best,
+}
 
 
 def summary(runs: list[Run], ways: list[str]) -> dict:
@@ -290,15 +298,8 @@ def summary(runs: list[Run], ways: list[str]) -> dict:
     by = {w: [r for r in runs if r.way == w and r.repeat > 0] for w in ways}
     out: dict = {"ways": {}}
     for way, rs in by.items():
-        out["ways"][way] = {"wall_s": [round(r.wall_s, 2) for r in rs], "median_wall_s": _med([r.wall_s for r in rs]),
-                    "median_member_epochs": _med([r.read + r.wasted for r in rs]),
-                    "median_wasted": _med([r.wasted for r in rs]),
-                    "median_s_per_member_epoch": _med([r.s_per_member_epoch for r in rs]),
-                    "median_first_result_s": _med([r.first_result_s for r in rs]),
-                    "median_mean_live": _med([r.mean_live for r in rs]),
-                    "median_mean_rows": _med([r.mean_rows for r in rs]),
-                    "median_read_ms": _med([r.read_ms for r in rs]),
-                    "best": _med([r.best for r in rs])}
+        out["ways"][way] = {"wall_s": [round(r.wall_s, 2) for r in rs],
+                            **{key: vs_tune._median([value(r) for r in rs]) for key, value in _MEDIANS.items()}}
     walls = {w: v["median_wall_s"] for w, v in out["ways"].items()}
     for a, b in (("plain", "chorus"), ("plain-reuse", "chorus-reuse"), ("plain-reuse", "chorus")):
         if walls.get(a) and walls.get(b):
