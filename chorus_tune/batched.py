@@ -136,11 +136,52 @@ def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """Each member's ``F.linear(x[k], weight[k], bias[k])``, as one batched
     matmul: ``x`` ``(K, ..., in)``, ``weight`` ``(K, out, in)``, ``bias`` ``(K, out)``."""
     rows = x.reshape(x.shape[0], -1, x.shape[-1])
-    if bias is None:
-        out = torch.bmm(rows, weight.transpose(1, 2))
+    if torch.is_autocast_enabled(rows.device.type):
+        # Autocast casts inside each op; _StackedLinear's backward would meet its
+        # saved fp32 weight beside a bf16 gradient. Left to autograd here.
+        out = _stacked_linear_forward(rows, weight, bias)
     else:
-        out = torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))
+        out = _StackedLinear.apply(rows, weight, bias)
     return out.reshape(*x.shape[:-1], weight.shape[1])
+
+
+def _stacked_linear_forward(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if bias is None:
+        return torch.bmm(rows, weight.transpose(1, 2))
+    return torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))
+
+
+class _StackedLinear(torch.autograd.Function):
+    """:func:`batched_linear` with its backward written out, so that each
+    gradient comes out in its parameter's own layout.
+
+    Why: autograd's backward of ``bmm(rows, weight.transpose(1, 2))`` computes
+    the weight's gradient as ``(K, in, out)`` and hands back its transpose, which
+    ``AccumulateGrad`` then copies into ``(K, out, in)``; and ``baddbmm`` first
+    copies the bias, broadcast, into the whole output. On the 2-core CPU (torch
+    2.13, one thread, 16 members of a width-64 MLP, batch 64) those two copies
+    took about 280 us of a 2.5 ms step under the profiler; with this backward
+    a whole fused iteration ran 1.11-1.27x faster (widths 64 and two hidden
+    layers of 64, 8 iterations each, interleaved). The same products, so the
+    same values up to the order of each sum (``tests/test_batched.py``)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(rows, weight)
+        ctx.has_bias = bias is not None
+        out = torch.bmm(rows, weight.transpose(1, 2))
+        if bias is not None:
+            out += bias.unsqueeze(1)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        rows, weight = ctx.saved_tensors
+        wants_rows, wants_weight, wants_bias = ctx.needs_input_grad
+        grad_rows = torch.bmm(grad, weight) if wants_rows else None
+        grad_weight = torch.bmm(grad.transpose(1, 2), rows) if wants_weight else None
+        grad_bias = grad.sum(1) if ctx.has_bias and wants_bias else None
+        return grad_rows, grad_weight, grad_bias
 
 
 def batched_forward(template: nn.Module) -> BatchedEligibility:

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 import chorus_tune as ct
-from chorus_tune.batched import batched_forward
+from chorus_tune.batched import batched_forward, batched_linear
 from chorus_tune.configuration import lift
 
 import models
@@ -152,6 +152,54 @@ def test_a_parametrized_linear_is_refused():
 def run_and_compare(task, configs, iterations):
     return models.run_and_compare(task, configs, iterations, RTOL, route="batched")
 
+
+
+def _stacked_linear_case(bias: bool, extra_dims: tuple[int, ...] = ()):
+    generator = torch.Generator().manual_seed(0)
+    k, n, d_in, d_out = 3, 5, 7, 4
+    x = torch.randn(k, *extra_dims, n, d_in, generator=generator, requires_grad=True)
+    weight = torch.randn(k, d_out, d_in, generator=generator, requires_grad=True)
+    b = torch.randn(k, d_out, generator=generator, requires_grad=True) if bias else None
+    upstream = torch.randn(k, *extra_dims, n, d_out, generator=generator)
+    return x, weight, b, upstream
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("extra_dims", [(), (2,)])
+def test_the_stacked_linear_gives_each_member_its_own_linears_values_and_gradients(bias, extra_dims):
+    # batched_linear writes its backward out (no transposed gradient to copy):
+    # every member's output and all three gradients must be F.linear's.
+    x, weight, b, upstream = _stacked_linear_case(bias, extra_dims)
+    out = batched_linear(x, weight, b)
+    (out * upstream).sum().backward()
+    leaves = [x, weight] + ([b] if bias else [])
+    got = [t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    expected = torch.stack([torch.nn.functional.linear(x[i], weight[i], None if b is None else b[i])
+                            for i in range(x.shape[0])])
+    (expected * upstream).sum().backward()
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-6)
+    for mine, reference in zip(got, [t.grad for t in leaves]):
+        assert mine.shape == reference.shape
+        torch.testing.assert_close(mine, reference, rtol=1e-6, atol=1e-6)
+
+
+def test_the_stacked_linear_leaves_out_the_gradient_of_an_input_that_needs_none():
+    x, weight, b, upstream = _stacked_linear_case(bias=True)
+    x = x.detach()  # a first layer's input: the data
+    (batched_linear(x, weight, b) * upstream).sum().backward()
+    assert x.grad is None and weight.grad is not None and b.grad is not None
+
+
+def test_the_stacked_linear_trains_under_bf16_autocast():
+    # Under autocast each op casts its own inputs: a backward written out would
+    # meet a bf16 gradient beside the saved fp32 weight, so autograd runs it.
+    x, weight, b, upstream = _stacked_linear_case(bias=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = batched_linear(x, weight, b)
+    (out.float() * upstream).sum().backward()
+    assert weight.grad.dtype == torch.float32 and torch.isfinite(weight.grad).all()
 
 @pytest.mark.parametrize("family", ["sgd", "adam"])
 def test_custom_module_members_on_the_batched_route_follow_their_reference(family):
