@@ -161,9 +161,9 @@ class _StackedLinear(torch.autograd.Function):
     copies the bias, broadcast, into the whole output. On the 2-core CPU (torch
     2.13, one thread, 16 members of a width-64 MLP, batch 64) those two copies
     took about 280 us of a 2.5 ms step under the profiler; with this backward
-    a whole fused iteration ran 1.11-1.27x faster (widths 64 and two hidden
-    layers of 64, 8 iterations each, interleaved). The same products, so the
-    same values up to the order of each sum (``tests/test_batched.py``)."""
+    a whole fused iteration ran 1.05-1.30x faster (4 to 64 members, old and new
+    alternated: docs/design.md D8). The same products, so the same values up
+    to the order of each sum (``tests/test_batched.py``)."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
