@@ -146,6 +146,8 @@ def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _stacked_linear_forward(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # Autograd's form, run under autocast (batched_linear says why); it differs from
+    # _StackedLinear.forward in baddbmm's broadcast-bias copy, which that one avoids.
     if bias is None:
         return torch.bmm(rows, weight.transpose(1, 2))
     return torch.baddbmm(bias.unsqueeze(1), rows, weight.transpose(1, 2))

@@ -52,10 +52,10 @@ class Readers:
         known = [m for m in candidates if seated(m)]
         if not known:
             return None
-        pool = [m for m in known if placed(m)]
-        if not pool and slotted is not None:
-            pool = [m for m in known if slotted(m)]
-        member = self._rng.choice(pool) if pool else known[0]
+        drawn_from = [m for m in known if placed(m)]
+        if not drawn_from and slotted is not None:
+            drawn_from = [m for m in known if slotted(m)]
+        member = self._rng.choice(drawn_from) if drawn_from else known[0]
         self.bound[trial_id] = member
         return member
 
