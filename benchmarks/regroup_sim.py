@@ -70,7 +70,8 @@ class Sim:
         if placed is not None:
             self._place(member, placed.bucket)
 
-    def _place(self, member: str, bucket: str, iteration: int = 0, cohort: str | None = None) -> None:
+    def _place(self, member: str, bucket: str, iteration: int = 0, cohort: str | None = None,
+               held_at: int | None = None) -> None:
         if bucket not in self.books:
             self.books[bucket] = MemberBook(max_queue=10_000, gather_s=0.0)
             self.free[bucket] = set(range(self.capacity))
@@ -78,7 +79,7 @@ class Sim:
         book.reserve(member, self.plan)
         slot = min(self.free[bucket])
         self.free[bucket].discard(slot)
-        book.place(member, slot, iteration)
+        book.place(member, slot, iteration, held_at=held_at)
         book.get(member).cohort = cohort
 
     def tick(self) -> bool:
@@ -145,11 +146,13 @@ class Sim:
                 self.tokens += 1
                 token = unit.carries(f"{move.source}/{self.tokens}")
                 for member in unit.members:
-                    produced = source.get(member).produced
+                    record = source.get(member)
+                    produced = record.produced
+                    held_at = record.hold_at if record.phase is Phase.HELD else None  # as take_out
                     self.free[move.source].add(source.move_out(member))
                     source.leave(member)  # every result was read (_read_all)
                     self.placement.move([member], move.source, move.dest)
-                    self._place(member, move.dest, produced, token)
+                    self._place(member, move.dest, produced, token, held_at)
             self.placement.end_move(move.source, move.dest)
             self.out.moves += 1
             self.out.moved_members += len(move.members)

@@ -118,6 +118,24 @@ def test_a_member_alone_at_a_rung_is_held_until_its_trial_asks_beyond_it():
     assert run_until_idle(book) == 4 and record.produced == 6
 
 
+def test_a_member_moved_in_while_held_at_a_rung_stays_held_until_its_trial_asks_beyond_it():
+    plan = Plan(budget=6, bucket_decides=True, rungs=(2,), metric="val_loss", sign=-1.0)
+    book = MemberBook(gather_s=0.0)
+    book.reserve("m0", plan)
+    record = book.place("m0", slot=0, iteration=2, held_at=2)  # its rung result waits in its old bucket
+    assert record.phase is Phase.HELD and not book.runnable()
+    assert book.ask("m0") is None  # read there, continued by Tune: it asks here for iteration 3
+    assert record.phase is Phase.TRAINING
+    assert run_until_idle(book) == 4 and record.produced == 6
+
+
+def test_a_member_cannot_be_placed_held_at_another_iteration_than_its_state():
+    book = MemberBook()
+    book.reserve("m0", Plan(budget=6, bucket_decides=True, rungs=(2,), metric="val_loss", sign=-1.0))
+    with pytest.raises(ValueError, match="held at iteration 2"):
+        book.place("m0", slot=0, iteration=3, held_at=2)
+
+
 def test_leaving_counts_what_was_computed_and_never_read_as_wasted():
     book = book_with(Plan(run_ahead=2), 2)
     run_until_idle(book)

@@ -144,6 +144,29 @@ def test_a_checkpoint_after_a_move_holds_the_member_at_its_last_result_read():
     assert out["val_loss"] == pytest.approx(reference_history("a", 3)[-1]["val_loss"], rel=RTOL)
 
 
+def test_a_member_held_alone_at_a_rung_moves_held_and_trains_on_only_once_its_trial_asks_past_it():
+    rung = Plan(budget=BUDGET, bucket_decides=True, rungs=(2,), reduction_factor=4.0, metric="val_loss", sign=-1.0)
+
+    async def scenario():
+        source, dest = make("src", 2), make("dst", 2)
+        await source.expect("a", None, join("a", rung))
+        await until(lambda: (r := source.book.get("a")) is not None and r.phase is Phase.HELD)
+        assert await dest.reserve_moved(["a"], [])
+        items = await source.take_out({"a": None}, ["a"], dest.name)
+        await dest.move_in(items)
+        await until(lambda: dest.book.get("a").phase is not Phase.RESERVED)
+        await asyncio.sleep(0.5)  # time to train on, were it not held
+        held = (dest.book.get("a").phase, dest.book.get("a").produced, dest.iterations)
+        reads = await read_through("a", source, dest)
+        return items[0]["held_at"], held, reads
+
+    held_at, (phase, produced, iterations), reads = asyncio.run(scenario())
+    assert held_at == 2 and (phase, produced, iterations) == (Phase.HELD, 2, 0)
+    assert [r[rk.BUCKET] for r in reads] == ["src", "src"] + ["dst"] * (BUDGET - 2)
+    for ours, theirs in zip(reads, reference_history("a", BUDGET)):
+        assert ours["val_loss"] == pytest.approx(theirs["val_loss"], rel=RTOL), ours["iteration"]
+
+
 def test_a_take_out_is_refused_while_the_pool_and_the_bucket_disagree_on_its_members():
     async def scenario():
         source = make("src", 4)

@@ -16,6 +16,7 @@ from chorus_tune.tune.rules.regrouping import (
     Unit,
     broken_units,
     member_view,
+    merge_in_reach,
     plan_regroup,
     units_of,
 )
@@ -157,10 +158,55 @@ def test_a_member_view_says_whether_a_rung_lies_ahead_and_whether_it_can_move():
     views = {r.member: member_view(r, book.limit(r)) for r in book.in_slots()}
     assert views["fresh"].rungs_ahead and views["survivor"].rungs_ahead and not views["last"].rungs_ahead
     assert all(v.movable for v in views.values())
-    book.get("survivor").phase = Phase.HELD  # waits for Tune's decision at its rung
     book.get("fresh").building = True
-    assert not member_view(book.get("survivor"), book.limit(book.get("survivor"))).movable
     assert not member_view(book.get("fresh"), book.limit(book.get("fresh"))).movable
+
+
+def test_a_member_held_alone_at_a_rung_can_move_with_its_hold():
+    # It trains no more until its trial asks past the rung (its limit is the
+    # rung it reached), but it moves, and MemberBook.place holds it there again.
+    book = MemberBook()
+    book.reserve("a", ASHA)
+    book.place("a", 0, 0)
+    book.record({"a": ({"score": 0.5}, None)})  # alone at rung 1: held there
+    record = book.get("a")
+    assert record.phase is Phase.HELD and book.limit(record) == record.produced == 1
+    assert member_view(record, book.limit(record)).movable
+
+
+def test_a_member_at_its_queues_bound_does_not_move():
+    book = MemberBook(max_queue=2)
+    book.reserve("a", ASHA)
+    book.place("a", 0, 4)  # past its last rung: nothing holds it but the queue
+    book.record({"a": ({"score": 0.5}, None)})
+    book.record({"a": ({"score": 0.5}, None)})
+    record = book.get("a")
+    assert record.phase is Phase.TRAINING and not member_view(record, book.limit(record)).movable
+
+
+def test_a_bucket_that_could_become_one_with_another_of_its_key_does_not_compact():
+    seven, six = bucket("a", [lone(f"a{i}") for i in range(7)]), bucket("b", [lone(f"b{i}") for i in range(6)])
+    assert merge_in_reach([seven, six], "a") and merge_in_reach([seven, six], "b")
+
+
+def test_a_bucket_whose_members_and_a_siblings_fill_more_than_one_bucket_compacts():
+    nine, eight = bucket("a", [lone(f"a{i}") for i in range(9)]), bucket("b", [lone(f"b{i}") for i in range(8)])
+    assert not merge_in_reach([nine, eight], "a")
+
+
+def test_a_compacted_sibling_still_takes_a_bucket_that_fits_its_free_slots():
+    # b compacted to its 6 members: a's 7 can no longer go there, but b's 6 fit into a's 16 slots.
+    seven, compacted = bucket("a", [lone(f"a{i}") for i in range(7)]), bucket("b", [lone(f"b{i}") for i in range(6)],
+                                                                             capacity=6)
+    assert merge_in_reach([seven, compacted], "a")
+
+
+def test_a_bucket_compacts_when_its_only_sibling_runs_elsewhere_or_is_decided_by_tune():
+    mine = bucket("a", [lone("a0")], place="gpu0")
+    assert not merge_in_reach([mine, bucket("b", [lone("b0")], place="gpu1")], "a")
+    tunes = bucket("b", [lone("b0", bucket_decides=False)], place="gpu0")
+    assert not merge_in_reach([mine, tunes], "a") and not merge_in_reach([mine, tunes], "b")
+    assert not merge_in_reach([mine], "a") and not merge_in_reach([], "a")
 
 
 def test_a_member_whose_decisions_are_tunes_does_not_move():

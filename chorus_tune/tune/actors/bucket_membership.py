@@ -110,7 +110,7 @@ class Membership:
                 if self.book.get(member).plan == Plan():
                     self.book.set_plan(member, join.plan)  # unless a scheduler's plan came meanwhile
                 self.book.place(member, slot, iteration=0 if state is None else int(state["iteration"]),
-                                state=state)
+                                state=state, held_at=join.held_at)
                 self.book.get(member).cohort = join.cohort  # moved in: its cohort's token (regrouping.py)
                 if len(self.core.live_slots) == 1 and self.core.fused_steps == 0:  # first member: structure known
                     logger.info("%s: structure %s; per member: %s; shared configuration: %s", self.name,

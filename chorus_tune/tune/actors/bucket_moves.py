@@ -79,11 +79,13 @@ class RegroupMoves:
                 record = self.book.get(member)
                 slot = record.slot
                 state = self.core.member_state(slot)  # at record.produced: it goes on from there
+                held_at = record.hold_at if record.phase is Phase.HELD else None  # it stays held there
                 self.book.move_out(member)
                 self.core.retire(slot)
                 out.append({"member": member, "state": state_io.dumps(state), "config": dict(state["config"]),
                             "seed": int(state["seed"]), "plan": record.plan, "cohort": token,
-                            "client": self.clients.get(member), "queued": len(record.queue)})
+                            "client": self.clients.get(member), "queued": len(record.queue),
+                            "held_at": held_at})
         for item in out:
             member = item["member"]
             self.moved[member] = dest
@@ -112,7 +114,7 @@ class RegroupMoves:
                 self.ever.append(member)
             self.book.set_plan(member, item["plan"])
             self._start_build(member, Join(config=item["config"], seed=item["seed"], state=item["state"],
-                                           plan=item["plan"], cohort=item["cohort"]))
+                                           plan=item["plan"], cohort=item["cohort"], held_at=item.get("held_at")))
 
     def _moved_on(self, member: str, raise_moved: bool = True) -> None:
         """``member`` moved away: once its trial has read every result left

@@ -136,6 +136,7 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         self._draining: dict[str, str] = {}
         self._regrouping: set[GroupKey] = set()
         self._regroup_again: set[GroupKey] = set()
+        self._regroup_views: dict[GroupKey, list] = {}  # each key's buckets at its last regrouping look
         self._tokens = 0
         # Counts every change of membership, start and loss: with the buckets'
         # iterations, what tells a long wait from a stalled one (wait_status).

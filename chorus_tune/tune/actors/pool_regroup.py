@@ -12,7 +12,7 @@ from ray.exceptions import RayActorError
 
 from chorus_tune.tune.rules.closing import compact_after_s, compaction_due
 from chorus_tune.tune.rules.grouping import GroupKey
-from chorus_tune.tune.rules.regrouping import BucketView, Move, plan_regroup
+from chorus_tune.tune.rules.regrouping import BucketView, Move, merge_in_reach, plan_regroup
 
 # The pool's one log: its _start sends it to the actor's own stdout.
 logger = logging.getLogger("chorus_tune.tune.actors.pool")
@@ -37,6 +37,8 @@ class Regrouping:
             # Emptied into the other buckets of its key, it closes instead; and
             # a compacted bucket has no free slot left for others' survivors.
             await self._regroup(record.key)
+            if merge_in_reach(self._regroup_views.get(record.key, ()), name):
+                return  # not yet movable (held back, draining, building): a later leave looks again
         handle = self.handles.get(name)
         if handle is None or not compaction_due(self.placement, name):
             return
@@ -100,6 +102,7 @@ class Regrouping:
             self._regrouping.discard(key)
 
     async def _plan_regroup(self, key: GroupKey) -> list[Move]:
+        self._regroup_views.pop(key, None)  # a look that sees no buckets leaves no stale ones
         if self.placement is None or self.placement.waiting_for(key):
             return []
         names = [n for n, r in self.placement.buckets.items()
@@ -125,6 +128,7 @@ class Regrouping:
             ready = not record.busy and holds == set(record.members) and seen["capacity"] == record.capacity
             views.append(BucketView(name, record.capacity, tuple(seen["members"]), len(seen["pending"]), ready,
                                     self.history.place_of(name)))
+        self._regroup_views[key] = views
         for member, source in list(self._draining.items()):
             if source in names and member not in draining:
                 del self._draining[member]  # its trial read what it left there

@@ -254,14 +254,21 @@ class MemberBook:
         self.records[member] = record
         return record
 
-    def place(self, member: str, slot: int, iteration: int, state: Any = None) -> MemberRecord:
-        """``member`` is built into ``slot`` at its ``iteration`` (0, or where its state was)."""
+    def place(self, member: str, slot: int, iteration: int, state: Any = None,
+              held_at: int | None = None) -> MemberRecord:
+        """``member`` is built into ``slot`` at its ``iteration`` (0, or where its state was).
+        ``held_at``: it was HELD alone at that rung in the bucket it moved from
+        (regrouping.py), and stays held here until its trial asks beyond it."""
         record = self._get(member)
         if record.phase is not Phase.RESERVED:
             raise ValueError(f"member {member} is {record.phase.value}, not reserved")
+        if held_at is not None and held_at != iteration:
+            raise ValueError(f"member {member} is held at iteration {held_at}, but its state is at {iteration}")
         record.phase, record.slot, record.building, record.lagging = Phase.TRAINING, slot, False, False
         record.produced = record.asked = record.taken = iteration
         record.state_at_taken = state
+        if held_at is not None:
+            record.phase, record.hold_at = Phase.HELD, held_at
         return record
 
     def fail(self, member: str, error: BaseException) -> None:

@@ -18,8 +18,8 @@ Rules, in one place:
   move and every one fits into the free slots of the others; a bucket that
   receives members in a round is not emptied in the same round, and an
   emptied one receives none.
-* A member can move (:func:`member_view`) when it trains (not held at a rung
-  waiting for Tune, not finished, not being built), its bucket decides every
+* A member can move (:func:`member_view`) when it trains or is held alone at
+  a rung (its hold moves with it; not finished, not being built), its bucket decides every
   step of its run (``Plan.bucket_decides``: ChorusASHA's rungs, or a known
   budget; decisions Tune makes are counted per bucket, and a move would count
   them twice), it is not at its queue's bound, and the results it left in
@@ -79,13 +79,19 @@ class MemberView:
     cohort: str | None = None  # the cohort token it carries (None: never moved)
     rungs_ahead: bool = False  # a cohort decision still lies ahead of it
     movable: bool = True  # see the module docstring
+    bucket_decides: bool = True  # its bucket decides its run: it may move once it is movable
 
 
 def member_view(record: MemberRecord, limit: float) -> MemberView:
     """What the rule needs of a member in a slot; ``limit``: ``MemberBook.limit(record)``."""
-    movable = (record.phase is Phase.TRAINING and not record.building and record.plan.bucket_decides
-               and record.produced < limit)
-    return MemberView(record.member, record.cohort, rungs_ahead(record), movable)
+    # A member HELD alone at a rung moves too, its hold with it (MemberBook.place's
+    # ``held_at``): it waits for ChorusASHA's decision through its trial, which in a
+    # 128-trial run's tail is nearly always the case for one member of a sparse bucket,
+    # and a bucket is emptied only when every member in it moves.
+    waits = record.phase is Phase.HELD
+    trains = record.phase is Phase.TRAINING and record.produced < limit
+    movable = (waits or trains) and not record.building and record.plan.bucket_decides
+    return MemberView(record.member, record.cohort, rungs_ahead(record), movable, record.plan.bucket_decides)
 
 
 @dataclass(frozen=True)
@@ -171,6 +177,28 @@ def broken_units(in_slots: Iterable[MemberView], moving: Iterable[str]) -> list[
     moving = set(moving)
     leaving = {v.cohort for v in in_slots if v.member in moving and v.rungs_ahead}
     return [v.member for v in in_slots if v.rungs_ahead and v.cohort in leaving and v.member not in moving]
+
+
+def merge_in_reach(buckets: Sequence[BucketView], name: str) -> bool:
+    """Whether bucket ``name`` and another bucket of its key on its place could
+    become one: together they fit in the slots of either, and every member in
+    both is one whose bucket decides its run (only those move). Then ``name``
+    does not compact (``grouping.should_compact``): a compacted bucket has no
+    slot for the other's members, and one that will empty into the other
+    closes instead. Measured (docs/design.md D3): in a 128-trial ChorusASHA
+    run the two buckets compacted to 8 and 6 slots while they held 8 and 12
+    members, and their tails, 5-6 members each, never met."""
+    views = {b.name: b for b in buckets}
+    bucket = views.get(name)
+    if bucket is None or not all(m.bucket_decides for m in bucket.members):
+        return False
+    for other in buckets:
+        if (other.name == name or other.place != bucket.place or not other.live
+                or not all(m.bucket_decides for m in other.members)):
+            continue
+        if bucket.live + other.live <= max(bucket.capacity, other.capacity):
+            return True
+    return False
 
 
 def plan_regroup(buckets: Sequence[BucketView], waiting: int = 0, draining: Iterable[str] = ()) -> list[Move]:

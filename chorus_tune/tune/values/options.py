@@ -170,13 +170,15 @@ class RungSchedule:
 class Join:
     """What a member enters its bucket with: its config, seed, plan and,
     when it resumes, its member state (serialised, opaque here). ``cohort``:
-    the cohort token of a member moved in from another bucket (regrouping.py)."""
+    the cohort token of a member moved in from another bucket (regrouping.py);
+    ``held_at``: the rung it was held at there, alone, waiting for its trial."""
 
     config: dict = field(hash=False)
     seed: int
     state: bytes | None = None
     plan: Plan = field(default_factory=Plan)
     cohort: str | None = None
+    held_at: int | None = None
 
 
 def derived_seed(trial_id: str) -> int:
