@@ -343,29 +343,40 @@ def test_a_member_watched_while_it_leaves_is_not_reaped_once_it_has_left(monkeyp
     assert not [m for m in caplog.messages if "dropped a" in m]
 
 
-def test_threads_set_after_training_began_reach_the_thread_that_trains():
+def test_threads_offered_reach_the_thread_that_trains_which_measures_each_count_first():
     # The pool shares a CPU machine's cores among the open buckets, changing a
     # bucket's threads as buckets open and close. A thread's OpenMP count is its
     # own: set on the event loop's thread alone, it never reached the iterations.
+    # Each iteration sets it in the training thread, to the count rules/threads.py
+    # chooses: all it is offered first, then one, then the faster of the two.
     import torch
 
     before = torch.get_num_threads()
 
     async def scenario():
         bucket = make_bucket(2)
-        await seat(bucket, "a", Plan(budget=1, bucket_decides=True))
-        await bucket.next_result("a")  # the thread that trains exists now
         seen = []
-        for threads in (1, 2):
-            await bucket.set_threads(threads)
-            seen.append(await bucket._in_thread(torch.get_num_threads))
+        run_iteration = bucket.core.run_iteration
+
+        def counting(*args, **kwargs):
+            seen.append(torch.get_num_threads())  # in the thread that trains
+            return run_iteration(*args, **kwargs)
+
+        bucket.core.run_iteration = counting
+        await seat(bucket, "a", Plan(budget=1, bucket_decides=True))
+        await bucket.next_result("a")  # the thread that trains exists now, on one thread
+        await bucket.set_threads(2)
+        await seat(bucket, "b", Plan(budget=3, bucket_decides=True))
+        for _ in range(3):
+            await bucket.next_result("b")
         await bucket.close()
         return seen
 
     try:
-        assert asyncio.run(scenario()) == [1, 2]
+        seen = asyncio.run(scenario())
     finally:
         torch.set_num_threads(before)
+    assert seen[:3] == [1, 2, 1] and seen[3] in (1, 2)
 
 
 def test_a_member_whose_trial_leaves_while_it_is_built_leaves_no_slot_behind():
@@ -573,7 +584,7 @@ def test_the_repr_ray_captures_at_creation_stays_true_while_the_bucket_trains_an
 
 
 STATUS = re.compile(r"test-bucket: iteration (\d+), live (\d+)/(\d+), trained (\d+), rows (\d+), route (\w+), "
-                    r"[\d.]+ s, step ([\d.]+) ms, (\d+) samples/s, wasted (\d+)$")
+                    r"threads \d+, [\d.]+ s, step ([\d.]+) ms, (\d+) samples/s, wasted (\d+)$")
 
 
 def test_each_iteration_writes_one_status_line_saying_what_its_results_say(caplog):

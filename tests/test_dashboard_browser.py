@@ -39,7 +39,8 @@ SCREEN = (1600, 760)  # the Actors page of one sweep fits; no empty page below i
 
 # bucket_actor.STATUS_LINE, as a reader parses it.
 STATUS = re.compile(r"(?P<bucket>\S+): iteration (?P<iteration>\d+), live (?P<in_slots>\d+)/(?P<capacity>\d+), "
-                    r"trained (?P<trained>\d+), rows (?P<rows>\d+), route (?P<route>\w+), (?P<seconds>[\d.]+) s, "
+                    r"trained (?P<trained>\d+), rows (?P<rows>\d+), route (?P<route>\w+), threads (?P<threads>\d+), "
+                    r"(?P<seconds>[\d.]+) s, "
                     r"step (?P<step_ms>[\d.]+) ms, (?P<samples_per_s>\d+) samples/s, wasted (?P<wasted>\d+)$")
 WASTED = re.compile(r"(?P<bucket>\S+): .*\bwasted (?P<wasted>\d+)$")
 STARTED_FOR = re.compile(r"^ChorusTrainable\(started for trial (\S+)\)$")

@@ -46,6 +46,7 @@ from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
 from chorus_tune.tune.observe.metrics import BucketMetrics
 from chorus_tune.tune.rules.members import MemberBook, Phase, StopRecord
 from chorus_tune.tune.rules.resources import bucket_threads, pick_device
+from chorus_tune.tune.rules.threads import ThreadChoice
 from chorus_tune.tune.rules.waits import idle_members
 from chorus_tune.tune.values import result_keys as rk
 from chorus_tune.tune.values.options import BucketOptions
@@ -77,6 +78,9 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
 
         resources = dict(options.resources_per_bucket or ())
         torch.set_num_threads(bucket_threads(resources))
+        # What it is offered is a ceiling: each iteration runs on the count measured faster (rules/threads.py).
+        self._threads = ThreadChoice(offered=bucket_threads(resources))
+        self._training_threads = bucket_threads(resources)  # what the training thread is set to now
         task = cloudpickle.loads(task_blob)
         # Its data from the sweep's shared copy, once one process has loaded it.
         load_task_data(task, task_id(task_blob), pool)
@@ -155,18 +159,19 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
             self._wake.set()
 
     async def set_threads(self, threads: int) -> None:
-        """Use ``threads`` CPU threads from the next iteration on (the pool
-        shares a CPU-only machine's cores among the buckets that are open)."""
+        """Use up to ``threads`` CPU threads from the next iteration on (the pool
+        shares a CPU-only machine's cores among the buckets that are open):
+        each iteration runs on one or on all of them, whichever this bucket
+        measured faster a step (``rules/threads.ThreadChoice``)."""
         import torch
 
         count = max(1, int(threads))
         torch.set_num_threads(count)  # this thread: the event loop's (states in and out)
-        # And the thread that trains: with OpenMP each thread keeps its own count,
-        # so one set here never reached an iteration once the worker thread existed
-        # (measured: it went on with 2 threads after 1 was set, so two buckets on a
-        # 2-core machine ran 4 threads, and a bucket left alone kept 1). Queued behind
-        # the running iteration: it applies from the next one.
-        await self._in_thread(torch.set_num_threads, count)
+        # The thread that trains is set by each iteration itself (bucket_training._train):
+        # with OpenMP each thread keeps its own count, so one set here never reached an
+        # iteration once the worker thread existed (measured: it went on with 2 threads
+        # after 1 was set, so two buckets on a 2-core machine ran 4 threads).
+        self._threads.offer(count)
 
     async def set_plan(self, member: str, plan: Plan) -> None:
         """A plan learnt after the member joined (e.g. its scheduler's rungs)."""

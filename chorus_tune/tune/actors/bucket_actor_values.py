@@ -17,10 +17,11 @@ MISSING = object()
 # iteration (``chorus/bucket_iteration`` of its results), members in slots /
 # slots when it ran, members it trained (``chorus/live``), the rows of the
 # stack it computed (``chorus/rows``: the trained ones where the iteration
-# gathered them, every slot where masked rows ran too), route, seconds, the
+# gathered them, every slot where masked rows ran too), route, the CPU threads it
+# ran on (rules/threads.py), seconds, the
 # seconds per fused step, samples/s over all members, and wasted
 # member-iterations so far (counted when a member leaves with unread results).
-STATUS_LINE = ("%s: iteration %d, live %d/%d, trained %d, rows %d, route %s, %.3f s, step %.2f ms, "
+STATUS_LINE = ("%s: iteration %d, live %d/%d, trained %d, rows %d, route %s, threads %d, %.3f s, step %.2f ms, "
                "%.0f samples/s, wasted %d")
 
 

@@ -80,9 +80,10 @@ class TrainingLoop:
             members = {r.slot: r.member for r in chosen}
             # As this iteration found them: finishing members free their slots before the report.
             in_slots, capacity, batch = self.live, self.core.capacity, self._batch_size()
+            threads, steps_before = self._threads.choose(len(members)), self.core.fused_steps
             start = time.perf_counter()
             try:
-                out, states = await self._in_thread(self._train, sorted(members))
+                out, states = await self._in_thread(self._train, sorted(members), threads)
             except Exception as exc:  # noqa: BLE001 - every member of the iteration must hear of it
                 from chorus_tune.bucket import MemberFailure
 
@@ -100,6 +101,8 @@ class TrainingLoop:
                 out = exc.results
                 states = await self._in_thread(self._states, sorted(out))
             seconds = time.perf_counter() - start
+            if self.core.fused_steps > steps_before:
+                self._threads.observe(threads, len(members), seconds / (self.core.fused_steps - steps_before))
             self.iterations += 1
             rows = self.core.last_rows
             self.member_iterations += len(out)
@@ -112,7 +115,7 @@ class TrainingLoop:
         finished = [m for m in outputs if self.book.get(m).phase is Phase.FINISHED]
         for member in outputs:
             self._resolve(member)
-        self._report(len(out), rows, in_slots, capacity, batch, seconds)
+        self._report(len(out), rows, in_slots, capacity, batch, seconds, threads)
         await self._hand_back(finished)
 
     async def _hand_back(self, finished: list[str]) -> None:
@@ -141,7 +144,12 @@ class TrainingLoop:
         iteration gathers the rows it trains, and a rider would cost its row."""
         return self.core.route == "compiled" and self.core.max_group is None
 
-    def _train(self, slots: list[int]) -> tuple[dict[int, dict], dict[int, dict]]:
+    def _train(self, slots: list[int], threads: int) -> tuple[dict[int, dict], dict[int, dict]]:
+        if threads != self._training_threads:  # in the training thread: OpenMP keeps a count per thread
+            import torch
+
+            torch.set_num_threads(threads)
+            self._training_threads = threads
         out = self.core.run_iteration(slots)
         return out, self._states(out)
 
@@ -163,7 +171,8 @@ class TrainingLoop:
                 rk.CAPACITY: self.core.capacity, rk.SEED: metrics.get("seed"), rk.COMPACTIONS: self.compactions,
                 rk.OOM_RECOVERIES: self.core.oom_recoveries, **self.capacity_fit}
 
-    def _report(self, trained: int, rows: int, in_slots: int, capacity: int, batch: int, seconds: float) -> None:
+    def _report(self, trained: int, rows: int, in_slots: int, capacity: int, batch: int, seconds: float,
+                threads: int) -> None:
         steps = self.core.fused_steps - getattr(self, "_steps_seen", 0)
         self._steps_seen = self.core.fused_steps
         samples = steps * batch * trained
@@ -171,7 +180,7 @@ class TrainingLoop:
         self.metrics.iteration(steps, samples, seconds, route)
         self.metrics.members(self.live, self.core.capacity)
         self.metrics.wasted(self.book.wasted)
-        logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, rows, route,
+        logger.info(STATUS_LINE, self.name, self.iterations, in_slots, capacity, trained, rows, route, threads,
                     seconds, 1000 * seconds / steps if steps else 0.0, samples / seconds if seconds > 0 else 0.0,
                     self.book.wasted)
 
