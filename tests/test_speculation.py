@@ -85,14 +85,24 @@ def test_members_wait_at_a_learnt_decision_point_for_their_trials():
     book.stops.stop(1)
     assert run_until_idle(book) == 1
     assert [book.get(f"m{i}").produced for i in range(3)] == [1, 1, 1]
-    # Tune continued m0 past 1: it trains on, to the cap (no point ahead is
-    # known, and the run's trials were seen continued past every iteration after 1).
+
+
+def test_a_survivor_runs_run_ahead_past_its_ask_however_far_continues_elsewhere_clear():
+    # Where Tune stops trials, the first arrivals at a rung not learnt yet are
+    # continued (stock ASHA), and the later ones mostly stopped: continues
+    # past every iteration after 1 clear nothing for a survivor.
+    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 3)
+    book.stops.stop(1)
+    run_until_idle(book)
     clear_elsewhere(book, range(2, 10))
     book.attach("m0")
     assert book.ask("m0").iteration == 1
-    assert book.ask("m0") is None
+    assert book.ask("m0") is None  # Tune continued it past 1: it asks for 2
     run_until_idle(book)
-    assert book.get("m0").produced == 10 and book.get("m1").produced == 1
+    assert book.get("m0").produced == 4 and book.get("m1").produced == 1
+    assert book.ask("m0").iteration == 2 and book.ask("m0").iteration == 3
+    run_until_idle(book)
+    assert book.get("m0").produced == 5  # its trial read 3: run_ahead past that again
 
 
 def test_a_continued_trial_speculates_only_to_the_next_learnt_point():
