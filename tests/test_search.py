@@ -1,6 +1,7 @@
 """ChorusSearch driven directly, as Tune's SearchGenerator drives it (no Ray cluster)."""
 import logging
 import pickle
+import threading
 
 import pytest
 from ray import tune
@@ -293,6 +294,7 @@ def test_a_space_that_splits_into_structures_is_said_as_a_warning_when_the_run_s
     space = {"l1": tune.grid_search([16, 32, 64, 128]), "lr": tune.grid_search([0.1, 0.01])}
     with caplog.at_level("INFO", logger="chorus_tune.tune.search.space_split"):
         search.set_search_properties("val_loss", "min", space, num_samples=8)
+        search.split_report.join(60)
     (record,) = [r for r in caplog.records if "structures" in r.getMessage()]
     assert record.levelname == "WARNING"
     # 16, 32 and 64 pad together within the width rule (docs/design.md D9); 128 would cost 16 8x its own.
@@ -300,6 +302,32 @@ def test_a_space_that_splits_into_structures_is_said_as_a_warning_when_the_run_s
         "ChorusSearch: 8 trials fall into 2 structures (l1 takes 4 values; their widths would cost more padded "
         "together than the width rule allows (chorus_tune/width_rule.py)): "
         "the largest structure holds 6 of them, the smallest 2; each structure fuses only within itself")
+
+
+def test_the_split_is_read_beside_the_run_not_before_its_first_trial(monkeypatch):
+    # Reading it may load the task's data (to price padded widths): Tune must not wait for that.
+    from chorus_tune.tune.search import space_split
+
+    started, release = threading.Event(), threading.Event()
+
+    def slow(*args, **kwargs):
+        started.set()
+        release.wait(30)
+
+    monkeypatch.setattr(space_split, "say_how_it_splits", slow)
+    search = ChorusSearch(task=_width_trainable())
+    search.set_search_properties("val_loss", "min", {"l1": tune.grid_search([16, 32]), "lr": 0.1}, num_samples=2)
+    assert started.wait(30) and search.split_report.is_alive()  # set_search_properties returned meanwhile
+    release.set()
+    search.split_report.join(30)
+
+
+def test_a_search_reading_its_split_still_pickles_and_saves_its_state(tmp_path):
+    search = ChorusSearch(task=_width_trainable())
+    search.set_search_properties("val_loss", "min", {"l1": tune.grid_search([16, 32]), "lr": 0.1}, num_samples=2)
+    assert pickle.loads(pickle.dumps(search)).split_report is None  # Tune pickles it with the run's state
+    search.save(str(tmp_path / "search.pkl"))
+    search.split_report.join(60)
 
 
 def test_a_space_of_one_structure_is_said_to_fuse_at_info():
@@ -310,4 +338,5 @@ def test_a_space_of_one_structure_is_said_to_fuse_at_info():
                    lambda level, fmt, *a: logged.append((level, fmt % a)))
         search.set_search_properties("val_loss", "min", {"l1": 32, "lr": tune.grid_search([0.1, 0.01])},
                                      num_samples=2)
+        search.split_report.join(60)
     assert logged == [(logging.INFO, "ChorusSearch: 2 trials share one structure: they fuse in buckets of up to 16")]
