@@ -80,7 +80,8 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
         torch.set_num_threads(bucket_threads(resources))
         # What it is offered is a ceiling: each iteration runs on the count measured faster (rules/threads.py).
         self._threads = ThreadChoice(offered=bucket_threads(resources))
-        self._training_threads = bucket_threads(resources)  # what the training thread is set to now
+        # What the training thread is set to now: unknown until the first iteration sets it there.
+        self._training_threads: int | None = None
         task = cloudpickle.loads(task_blob)
         # Its data from the sweep's shared copy, once one process has loaded it.
         load_task_data(task, task_id(task_blob), pool)
