@@ -51,7 +51,7 @@ CHORUS_TORCH_SITE := .bench-venv/site
 $(CHORUS_TORCH_SITE)/chorus/__init__.py: $(BIN)/python
 	$(BIN)/pip install $(PIP_FLAGS) --no-deps --ignore-requires-python --upgrade --target $(CHORUS_TORCH_SITE) chorus-torch==0.1.0
 
-.PHONY: bench-chorus bench-step bench-tune bench-startup bench-overhead bench-mnist
+.PHONY: bench-chorus bench-step bench-tune bench-startup bench-overhead bench-mnist bench-cpu
 bench-chorus: setup $(CHORUS_TORCH_SITE)/chorus/__init__.py
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/vs_chorus.py --threads 1 --json benchmarks/results/vs_chorus.json
@@ -82,6 +82,14 @@ bench-mnist: setup
 bench-overhead: setup
 	mkdir -p benchmarks/results
 	$(BIN)/python benchmarks/tune_overhead.py --json benchmarks/results/tune_overhead.json
+
+# Where a sweep's CPU goes (docs/benchmarks.md "What Tune itself costs"): CPU-seconds per process role,
+# plain Tune beside chorus_tune, on the 128-trial ChorusASHA row; another sweep: CPU_SWEEP="...".
+CPU_SWEEP = --workload synth-mlp64 --trials 128 --rows asha:16:16
+bench-cpu: setup
+	mkdir -p benchmarks/results
+	$(BIN)/python benchmarks/cpu_share.py --repeats 2 --json benchmarks/results/cpu_share.json \
+	    --md benchmarks/results/cpu_share.md -- $(CPU_SWEEP)
 
 bench-startup: setup
 	mkdir -p benchmarks/results

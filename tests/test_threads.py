@@ -74,3 +74,16 @@ def test_a_new_offer_is_measured_afresh():
 def test_reprobe_after_must_be_positive():
     with pytest.raises(ValueError, match="reprobe_after"):
         ThreadChoice(reprobe_after=0)
+
+
+def test_an_iteration_that_ran_several_routes_measures_no_thread_count():
+    # A route probe's iteration times eager among its candidates: its cost a
+    # step says nothing of the route the bucket then trains on.
+    choice = ThreadChoice(offered=2)
+    choice.observe(choice.choose(16), 16, 5e-3, routes=3)  # 2 threads, probing: slow
+    assert choice.ratio is None
+    counts = [choice.choose(16)]
+    choice.observe(counts[-1], 16, FAST_MANY[counts[-1]])
+    counts.append(choice.choose(16))
+    choice.observe(counts[-1], 16, FAST_MANY[counts[-1]])
+    assert counts == [2, 1] and choice.choose(16) == 2

@@ -102,7 +102,8 @@ class TrainingLoop:
                 states = await self._in_thread(self._states, sorted(out))
             seconds = time.perf_counter() - start
             if self.core.fused_steps > steps_before:
-                self._threads.observe(threads, len(members), seconds / (self.core.fused_steps - steps_before))
+                self._threads.observe(threads, len(members), seconds / (self.core.fused_steps - steps_before),
+                                      routes=len((self.core.last_route or "").split("+")))
             self.iterations += 1
             rows = self.core.last_rows
             self.member_iterations += len(out)

@@ -72,9 +72,20 @@ class ThreadChoice:
             return 1 if faster == self.offered else self.offered
         return faster
 
-    def observe(self, threads: int, rows: int, seconds_per_step: float) -> None:
-        """An iteration of ``rows`` rows on ``threads`` threads took ``seconds_per_step`` a step."""
+    def observe(self, threads: int, rows: int, seconds_per_step: float, routes: int = 1) -> None:
+        """An iteration of ``rows`` rows on ``threads`` threads took ``seconds_per_step`` a step.
+
+        ``routes``: how many routes it ran. Several (a route probe timing its
+        candidates on training's steps, eager among them, or groups on
+        different routes) measure no thread count's cost of the bucket's
+        route, and are not compared: in the 4-width sweep, a width-256
+        bucket's first iteration, timing three routes on 2 threads, took 4.67
+        ms a step, its second on one thread and one route 5.07, so one thread
+        won and kept the bucket for the rest of the sweep (8 iterations at
+        1.2-1.5 s, alone on 2 cores), where 2 threads take about half."""
         self._age += 1
+        if routes > 1:
+            return
         threads = max(1, int(threads))
         if threads != 1 and self._one_per_step is not None:
             # Slower than one thread was: the other cores are taken now (Tune's
