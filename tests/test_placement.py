@@ -174,3 +174,35 @@ def test_a_bucket_holding_members_is_refilled_before_an_empty_one_of_its_key():
     p.remove("t0")
     p.remove("t1")  # bucket-1 empty, bucket-2 holds t2
     assert p.request("t3", "k", 2).bucket == "chorus-bucket-2"
+
+
+def test_a_structure_with_no_bucket_open_takes_the_spare_beyond_the_budget():
+    p = Placement(max_buckets=2, spare=1)
+    p.request("a", "k1", 4)
+    p.request("b", "k2", 4)
+    placed = p.request("c", "k3", 4)
+    assert placed is not None and placed.opened and len(p.buckets) == 3
+    assert p.request("d", "k4", 4) is None and p.is_waiting("d")  # one spare, not more
+
+
+def test_a_structure_with_a_bucket_open_never_takes_the_spare():
+    p = Placement(max_buckets=2, spare=1)
+    for i in range(8):  # two full buckets of k
+        p.request(f"t{i}", "k", 4)
+    assert p.request("t8", "k", 4) is None and len(p.buckets) == 2
+
+
+def test_without_a_spare_a_new_structure_waits_for_the_budget():
+    p = Placement(max_buckets=2)
+    p.request("a", "k1", 4)
+    p.request("b", "k2", 4)
+    assert p.request("c", "k3", 4) is None
+
+
+def test_the_spare_is_taken_from_an_idle_bucket_of_another_structure_at_once():
+    p = Placement(max_buckets=1, spare=1)
+    p.request("a", "k1", 4)
+    p.request("b", "k2", 4)  # the spare
+    p.remove("b")  # k2's bucket is idle now
+    placed = p.request("c", "k3", 4)
+    assert placed is not None and placed.replaces == ("chorus-bucket-2",)

@@ -151,3 +151,17 @@ def test_under_tunes_default_search_a_token_per_slot_bounds_its_trials_and_holds
 def test_buckets_never_claim_a_cpu():
     assert bucket_actor_options({"CPU": 1.0})["num_cpus"] == 0
     assert bucket_actor_options({"GPU": 1.0, "CPU": 2.0})["num_cpus"] == 0
+
+
+def test_a_cpu_only_bucket_has_a_spare_for_a_new_structure_unless_the_user_capped_the_buckets():
+    from chorus_tune.tune.rules.resources import spare_buckets
+
+    assert spare_buckets({"CPU": 1.0}, capped=False) == 1
+    assert spare_buckets({"CPU": 1.0}, capped=True) == 0
+
+
+@pytest.mark.parametrize("per_bucket", [{"GPU": 1.0, "CPU": 1.0}, {"GPU": 0.25}, {"CPU": 1.0, "accelerator": 1.0}])
+def test_a_bucket_that_claims_a_gpu_or_a_custom_resource_has_no_spare(per_bucket):
+    from chorus_tune.tune.rules.resources import spare_buckets
+
+    assert spare_buckets(per_bucket, capped=False) == 0

@@ -43,7 +43,7 @@ from chorus_tune.tune.rules.grouping import GroupKey, split_from, width_device
 from chorus_tune.tune.rules.leaving import Leaving
 from chorus_tune.tune.rules.placement import Placed, Placement, Update
 from chorus_tune.tune.rules.readers import Readers
-from chorus_tune.tune.rules.resources import bucket_budget, bucket_resources
+from chorus_tune.tune.rules.resources import bucket_budget, bucket_resources, spare_buckets
 from chorus_tune.tune.rules.run_stops import RunStops
 from chorus_tune.tune.rules.scouts import Scouts
 from chorus_tune.tune.rules.seat_book import SeatBook
@@ -175,10 +175,11 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
 
     def _key(self, task_id_: str, options: BucketOptions, config: dict) -> GroupKey:
         if self.placement is None:
-            self.placement = Placement(self._budget(options), prefix=bucket_prefix(self.job_id, self.generation))
+            self.placement = Placement(self._budget(options), prefix=bucket_prefix(self.job_id, self.generation),
+                                       spare=self._spare(options))
         else:
             # Successive runs in one driver may size their buckets differently.
-            self.placement.max_buckets = self._budget(options)
+            self.placement.max_buckets, self.placement.spare = self._budget(options), self._spare(options)
         task = self.tasks[task_id_]
         from chorus_tune.stack import sharing_key
         from chorus_tune.width_rule import WidthGroups
@@ -226,6 +227,9 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         if options.max_buckets is not None:
             return options.max_buckets
         return bucket_budget(ray.cluster_resources(), self._bucket_resources(options))
+
+    def _spare(self, options: BucketOptions) -> int:
+        return spare_buckets(self._bucket_resources(options), capped=options.max_buckets is not None)
 
     @staticmethod
     def _bucket_resources(options: BucketOptions) -> dict[str, float]:

@@ -73,10 +73,15 @@ class Update:
 class Placement:
     """Slot assignment across a pool's buckets."""
 
-    def __init__(self, max_buckets: int | None = None, prefix: str = "chorus-bucket"):
+    def __init__(self, max_buckets: int | None = None, prefix: str = "chorus-bucket", spare: int = 0):
         if max_buckets is not None and max_buckets < 1:
             raise ValueError(f"max_buckets must be positive or None; got {max_buckets}")
+        if spare < 0:
+            raise ValueError(f"spare must be 0 or more; got {spare}")
         self.max_buckets = max_buckets
+        # Buckets beyond max_buckets that a structure with no bucket open may
+        # open (the pool sets it: see ChorusPool._spare, docs/design.md D3).
+        self.spare = spare
         self.prefix = prefix
         self.buckets: OrderedDict[str, BucketRecord] = OrderedDict()
         self._where: dict[str, str] = {}
@@ -111,7 +116,17 @@ class Placement:
         return sum(1 for k, _ in self._waiting.values() if k == key)
 
     def can_open(self) -> bool:
+        """Whether the budget (``max_buckets``, without the spare) has room for another bucket."""
         return self.max_buckets is None or len(self.buckets) < self.max_buckets
+
+    def _limit(self, key: Hashable) -> int | None:
+        """The buckets that may be open when ``key`` opens one: ``max_buckets``,
+        plus the spare where no bucket of ``key`` is open (a structure that
+        would otherwise wait for another's bucket to close)."""
+        if self.max_buckets is None:
+            return None
+        fresh = not any(r.key == key for r in self.buckets.values())
+        return self.max_buckets + (self.spare if fresh else 0)
 
     # ----- changes ----------------------------------------------------------------------------------
     def request(self, trial_id: str, key: Hashable, capacity: int) -> Placed | None:
@@ -208,7 +223,8 @@ class Placement:
         open_ = [r for r in self.buckets.values() if r.key == key and r.free > 0]
         if open_:
             return self._put(trial_id, next((r for r in open_ if r.members), open_[0]), opened=False)
-        if not self.can_open() or self._compacting(key):
+        limit = self._limit(key)
+        if (limit is not None and len(self.buckets) >= limit) or self._compacting(key):
             return None
         self._opened += 1
         record = BucketRecord(f"{self.prefix}-{self._opened}", key, capacity)
@@ -226,7 +242,8 @@ class Placement:
         if self._compacting(key):
             return None
         empty = [r.name for r in self.buckets.values() if not r.members and r.key != key]
-        needed = 1 if self.max_buckets is None else len(self.buckets) - self.max_buckets + 1
+        limit = self._limit(key)
+        needed = 1 if limit is None else len(self.buckets) - limit + 1
         if not empty or needed > len(empty):
             return None
         taken = tuple(empty[:needed])  # needed >= 1: _try_place found no budget (or max_buckets is None)

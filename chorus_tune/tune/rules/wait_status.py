@@ -76,5 +76,7 @@ def word_wait(member: str, wait: Wait, placement: Placement | None, started: Con
     if wait.kind == SLOT:
         buckets = [f"{b} ({len(r.members)}/{r.capacity})" for b, r in placement.buckets.items()]
         return (f"a slot in a bucket of {wait.key.model_name} ({wait.ahead} member(s) queued before it; "
-                f"{len(buckets)} of {placement.max_buckets} bucket(s) open: {buckets})"), False
+                f"{len(buckets)} of {placement.max_buckets} bucket(s) open"
+                + (f" (and {placement.spare} more for a structure with none)" if placement.spare else "")
+                + f": {buckets})"), False
     return f"member {member}, which the pool does not know", False
