@@ -175,11 +175,9 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
 
     def _key(self, task_id_: str, options: BucketOptions, config: dict) -> GroupKey:
         if self.placement is None:
-            self.placement = Placement(self._budget(options), prefix=bucket_prefix(self.job_id, self.generation),
-                                       spare=self._spare(options))
-        else:
-            # Successive runs in one driver may size their buckets differently.
-            self.placement.max_buckets, self.placement.spare = self._budget(options), self._spare(options)
+            self.placement = Placement(prefix=bucket_prefix(self.job_id, self.generation))
+        # Set on every key: successive runs in one driver may size their buckets differently.
+        self._size_budget(options)
         task = self.tasks[task_id_]
         from chorus_tune.stack import sharing_key
         from chorus_tune.width_rule import WidthGroups
@@ -228,8 +226,10 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
             return options.max_buckets
         return bucket_budget(ray.cluster_resources(), self._bucket_resources(options))
 
-    def _spare(self, options: BucketOptions) -> int:
-        return spare_buckets(self._bucket_resources(options), capped=options.max_buckets is not None)
+    def _size_budget(self, options: BucketOptions) -> None:
+        """The placement's budget and spare (rules/resources.py) for buckets of ``options``, from the cluster now."""
+        self.placement.max_buckets = self._budget(options)
+        self.placement.spare = spare_buckets(self._bucket_resources(options), capped=options.max_buckets is not None)
 
     @staticmethod
     def _bucket_resources(options: BucketOptions) -> dict[str, float]:

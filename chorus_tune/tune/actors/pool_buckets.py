@@ -261,8 +261,7 @@ class BucketLifecycle:
             return
         # A bucket dies with its node, and the node's resources go with it: the
         # budget must not open buckets the cluster no longer holds.
-        options = self.placement.buckets[name].key.options
-        self.placement.max_buckets, self.placement.spare = self._budget(options), self._spare(options)
+        self._size_budget(self.placement.buckets[name].key.options)
         _, update = self.placement.close(name)
         logger.warning("pool: bucket %s lost with members %s; budget now %s buckets; placed %s", name, lost,
                        self.placement.max_buckets, [(p.trial_id, p.bucket) for p in update.placed])

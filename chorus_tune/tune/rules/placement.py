@@ -80,7 +80,7 @@ class Placement:
             raise ValueError(f"spare must be 0 or more; got {spare}")
         self.max_buckets = max_buckets
         # Buckets beyond max_buckets that a structure with no bucket open may
-        # open (the pool sets it: see ChorusPool._spare, docs/design.md D3).
+        # open (the pool sets it: rules/resources.spare_buckets, docs/design.md D3).
         self.spare = spare
         self.prefix = prefix
         self.buckets: OrderedDict[str, BucketRecord] = OrderedDict()
