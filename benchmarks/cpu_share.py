@@ -17,9 +17,11 @@ Roles: ``driver`` (the vs_tune process: imports, the sweep's data, Tune's loop),
 ``buckets`` (chorus_tune's), ``idle workers`` (Ray workers never given a task),
 ``Ray daemons`` (GCS, raylet, dashboard and agents), ``other`` (anything else).
 
-Caveats, stated in the output: a process that exits loses up to one interval
-of CPU time (sampling), and the invocation's wall time includes Ray's start
-and shutdown; the sweep's own wall time is vs_tune's (``fit()`` to its end).
+Caveats: a process that exits loses up to one interval of CPU time (sampling;
+stated in the output); the invocation's wall time includes Ray's start and
+shutdown, the sweep's own is vs_tune's (``fit()`` to its end); and the sampler
+itself (this process, not counted) reads every ``/proc/<pid>/stat`` each
+interval, on the same cores as the sweep.
 
     .venv/bin/python benchmarks/cpu_share.py --repeats 1 -- --workload synth-mlp64 --trials 128 --rows asha:16:16
 """
@@ -40,7 +42,7 @@ ROLES = ("driver", "trial actors", "pool", "buckets", "idle workers", "Ray daemo
 _DAEMONS = ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "DashboardAgent", "RuntimeEnvAgent",
             "runtime_env", "agent")
 _TICK = os.sysconf("SC_CLK_TCK")
-_WALL = re.compile(r"repeat 1 (\w+)\s+([0-9.]+) s")
+_WALL = re.compile(r"repeat 1 \w+\s+([0-9.]+) s")
 _EPOCHS = re.compile(r"repeat 1 \w+\s.*member-epochs ([0-9]+)")
 # Where each way trains: plain Tune in its trial actors, chorus_tune in its buckets.
 TRAINS_IN = {"plain": "trial actors", "chorus": "buckets"}
@@ -174,7 +176,7 @@ def main(argv: list[str] | None = None) -> None:
                            "--out", scratch]
                 cpu, wall, text = sample_run(command, args.interval)
                 found = _WALL.search(text)
-                sweep_s = float(found.group(2)) if found else None
+                sweep_s = float(found.group(1)) if found else None
                 epochs = _EPOCHS.search(text)
                 runs[way].append({"cpu_s": cpu, "invocation_s": wall, "sweep_s": sweep_s,
                                   "member_epochs": int(epochs.group(1)) if epochs else None})
