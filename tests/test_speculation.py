@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pytest
 from test_members import book_with, run, run_until_idle
 
-from chorus_tune.tune.rules.members import MemberBook, Phase, StopRecord, sum_counts
+from chorus_tune.tune.rules.members import MemberBook, Phase, StopRecord
+from chorus_tune.tune.rules.stop_record import sum_counts
 from chorus_tune.tune.values.options import BucketOptions
 from chorus_tune.tune.values.plan import Plan
 from chorus_tune.tune.values.run_plan import stop_terms

@@ -49,171 +49,18 @@ first) are counted per member and in total.
 from __future__ import annotations
 
 import math
-from collections import deque
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Iterable
 
 from chorus_tune.tune.rules.halving import CONTINUE, STOP, select_survivors
+from chorus_tune.tune.rules.member_record import IN_SLOT, Entry, MemberRecord, Phase
+from chorus_tune.tune.rules.run_ahead import hard_limit, member_limit
+from chorus_tune.tune.rules.stop_record import StopRecord
 from chorus_tune.tune.values import result_keys as rk
 from chorus_tune.tune.values.plan import Plan
 
-
-class Phase(str, Enum):
-    """Where a member is in its life in one bucket."""
-
-    RESERVED = "reserved"  # placed here, waiting to be built into a slot
-    TRAINING = "training"  # in a slot; trains whenever its limit allows
-    HELD = "held"  # in a slot, alone at a rung: waits for Tune's decision
-    FINISHED = "finished"  # trains no more (budget, max_t, stopped at a rung); results still drain
-    LEFT = "left"  # its trial left, or it was reaped: nothing more to read
-    FAILED = "failed"  # could not be built (its trial fails with the error)
-
-
-IN_SLOT = (Phase.TRAINING, Phase.HELD)
-
-
-@dataclass
-class Entry:
-    """One computed result waiting for its trial, with the member's state then."""
-
-    iteration: int
-    result: dict[str, Any]
-    state: Any
-
-
-@dataclass
-class MemberRecord:
-    """Everything a bucket knows of one member."""
-
-    member: str
-    plan: Plan
-    phase: Phase = Phase.RESERVED
-    slot: int | None = None
-    produced: int = 0  # the member's iteration count after the last one computed
-    asked: int = 0  # iterations its trial has asked for (delivered, or waited for)
-    taken: int = 0  # iterations delivered to its trial
-    queue: deque = field(default_factory=deque)
-    state_at_taken: Any = None  # the member's state at ``taken`` (what a checkpoint saves)
-    hold_at: int | None = None  # a rung reached alone: no further until asked beyond it
-    building: bool = False  # its model is being built into a slot right now
-    attached: bool = False  # a trial reads this member's results
-    lagging: bool = False  # left out of the last iteration while its trial was behind
-    final: int | None = None  # the iteration the bucket made its last (budget, a rung's stop, a stop criterion)
-    wasted: int = 0
-    error: BaseException | None = None
-    # A cohort token carried from another bucket (regrouping.py): cohorts form
-    # only among members of one token. None: never moved (D11's rule as it is).
-    cohort: str | None = None
-    stop_counted: bool = False  # its trial's leave was counted as Tune's stop (MemberBook.count_stop)
-
-    @property
-    def in_slot(self) -> bool:
-        return self.phase in IN_SLOT
-
-    @property
-    def drained(self) -> bool:
-        """Nothing more will ever be read from this member: it left, or failed.
-        A finished member whose trial has read every result is not drained
-        until its trial leaves: Tune still saves that trial's checkpoint at the
-        end, and the save reads the member's state from its bucket."""
-        return self.phase in (Phase.LEFT, Phase.FAILED)
-
-
-def sum_counts(counts: Iterable[dict[int, int]]) -> dict[int, int]:
-    """Per-iteration counts of several buckets, added up."""
-    total: dict[int, int] = {}
-    for count in counts:
-        for key, n in count.items():
-            total[key] = total.get(key, 0) + n
-    return total
-
-
-class StopRecord:
-    """Where Tune stops this bucket's trials early: the learned decision points.
-
-    Tune's decisions reach a bucket only as their effects: a trial that asks
-    for its next result after reading iteration *t* was continued at *t*; one
-    that leaves after *t*, short of its member's cap and not finished by the
-    bucket, was stopped at *t*. An iteration is a *decision point* once at
-    least one trial was stopped there and at least ``min_stop_rate`` of the
-    trials decided there were stopped (so one killed trial does not throttle
-    a FIFO run for good). Stock ASHA and HyperBand stop at their rungs only, so
-    their rungs are learned from the first trials they stop; a stopper that
-    ends every trial at *n* is learned as a point at *n*.
-
-    The scheduler is the run's, so the buckets of a run share what they see:
-    ``elsewhere`` holds the counts of the run's other buckets (the pool sums
-    and forwards them), and a point is judged on all of them together.
-    """
-
-    def __init__(self, min_stop_rate: float = 0.1):
-        self.min_stop_rate = min_stop_rate
-        self.stopped: dict[int, int] = {}
-        self.continued: dict[int, int] = {}
-        self.elsewhere: tuple[dict[int, int], dict[int, int]] = ({}, {})
-        self._points: list[int] = []
-
-    def stop(self, iteration: int) -> None:
-        if iteration >= 1:
-            self.stopped[iteration] = self.stopped.get(iteration, 0) + 1
-            self._learn()
-
-    def cont(self, iteration: int) -> None:
-        if iteration >= 1:
-            self.continued[iteration] = self.continued.get(iteration, 0) + 1
-            if iteration in self.stopped or iteration in self.elsewhere[0]:
-                self._learn()
-
-    def seen_elsewhere(self, stopped: dict[int, int], continued: dict[int, int]) -> None:
-        """The counts of the run's other buckets (replacing the last ones)."""
-        self.elsewhere = ({int(k): v for k, v in stopped.items()}, {int(k): v for k, v in continued.items()})
-        self._learn()
-
-    def _learn(self) -> None:
-        stopped = sum_counts((self.stopped, self.elsewhere[0]))
-        continued = sum_counts((self.continued, self.elsewhere[1]))
-        self._points = sorted(
-            t for t, n in stopped.items()
-            if n / (n + continued.get(t, 0)) >= self.min_stop_rate)
-
-    @property
-    def points(self) -> tuple[int, ...]:
-        return tuple(self._points)
-
-    def next_point(self, iteration: int) -> int | None:
-        """The first learned decision point at or after ``iteration``."""
-        for point in self._points:
-            if point >= iteration:
-                return point
-        return None
-
-    def continues(self, iteration: int) -> int:
-        """Trials of the run seen continued past ``iteration`` (here and elsewhere)."""
-        return self.continued.get(iteration, 0) + self.elsewhere[1].get(iteration, 0)
-
-    def clear(self, iteration: int, need: int) -> bool:
-        """Whether ``iteration`` is known clear of Tune's decisions: at least
-        ``need`` trials were continued past it, and its stops (if any) did not
-        make it a decision point."""
-        return self.continues(iteration) >= need and iteration not in self._points
-
-    def frontier(self, start: int, need: int) -> int:
-        """The first iteration at or after ``start`` not known clear: a learnt
-        decision point, or one too few trials were seen continued past."""
-        iteration = start
-        while self.clear(iteration, need):
-            iteration += 1
-        return iteration
-
-    def stopped_at(self, iteration: int) -> int:
-        """Trials of the run seen stopped after ``iteration`` (here and elsewhere)."""
-        return self.stopped.get(iteration, 0) + self.elsewhere[0].get(iteration, 0)
-
-    @property
-    def any_stopped(self) -> bool:
-        """Whether Tune was seen stopping any trial of the run early, anywhere."""
-        return bool(self.stopped) or any(n > 0 for n in self.elsewhere[0].values())
+# The book and the values it hands out (a record's phase, a queued entry, the
+# run's stop evidence) are imported from here; each value lives in its own module.
+__all__ = ["IN_SLOT", "Entry", "MemberBook", "MemberRecord", "Phase", "StopRecord", "meets_stop_criteria"]
 
 
 class MemberBook:
@@ -347,59 +194,11 @@ class MemberBook:
         return [m for m, r in self.records.items() if r.phase is Phase.RESERVED]
 
     def limit(self, record: MemberRecord) -> float:
-        """The iteration ``record`` may be computed up to now."""
-        plan = record.plan
-        hard = self._hard_limit(record)
-        if plan.run_ahead == 0:
-            return min(hard, record.asked)  # strict lockstep, whatever the bucket knows
-        if not plan.bucket_decides:
-            return min(hard, self._tune_decides_limit(record, math.inf if plan.budget is None else plan.budget))
-        return hard
+        """The iteration ``record`` may be computed up to now (rules/run_ahead.py)."""
+        return member_limit(record, self.stops, self.max_queue)
 
     def _hard_limit(self, record: MemberRecord) -> float:
-        """What no decision can lift: the budget, a hold at a rung, the queue's bound."""
-        limit = math.inf if record.plan.budget is None else record.plan.budget
-        if record.hold_at is not None:
-            limit = min(limit, record.hold_at)
-        return min(limit, record.taken + self.max_queue)
-
-    def _tune_decides_limit(self, record: MemberRecord, cap: float) -> float:
-        plan = record.plan
-        if not plan.speculate:
-            return min(cap, record.asked + plan.run_ahead)
-        start = max(record.asked, 1)  # iteration 1 is never wasted: every started trial reads it
-        if cap == math.inf:
-            # No cap known: a learned decision point ahead, else the run_ahead bound.
-            point = self.stops.next_point(start)
-            return point if point is not None else record.asked + plan.run_ahead
-        # Tune decides after each result it reads. Past what its trial asked
-        # for, a member goes no further than the first iteration not known
-        # clear: a learned decision point, or one too few of the run's trials
-        # were seen continued past (Stock ASHA continues a rung's first
-        # arrivals, so one continue says nothing; FIFO continues every trial).
-        reach = self.stops.frontier(start, plan.clear_after)
-        if self.stops.any_stopped:
-            if record.asked >= 2:
-                # Its trial was continued past a decision already (a survivor):
-                # it runs up to run_ahead past its ask, never past a learnt
-                # point, instead of one round trip per iteration. Only its own
-                # trial reads that, so a stop there wastes run_ahead at most.
-                # Not as far as the evidence clears: where Tune stops trials,
-                # continues clear nothing past a rung not learnt yet (stock ASHA
-                # continues a rung's first arrivals; the others it mostly stops).
-                # Measured at 128 trials: survivors ran from rung 4 to max_t 16
-                # on the first arrivals' continues, and one run wasted 411 of 728.
-                point = self.stops.next_point(start)
-                reach = min(record.asked + plan.run_ahead, math.inf if point is None else point)
-        else:
-            # No trial of the run was stopped early anywhere (FIFO so far):
-            # beyond the first iteration, compute one past the evidence, so
-            # the bucket trains while the trials read (their round trip hides
-            # behind an iteration) instead of idling each iteration for it.
-            first = self.stops.frontier(1, plan.clear_after)
-            if first >= 2:
-                reach = max(reach, first + 1)
-        return min(cap, reach)  # at or after max(asked, 1): never below what the trial asked for
+        return hard_limit(record, self.max_queue)
 
     def runnable(self) -> list[MemberRecord]:
         return [r for r in self.in_slots() if r.phase is Phase.TRAINING and r.produced < self.limit(r)]

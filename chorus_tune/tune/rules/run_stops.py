@@ -1,13 +1,13 @@
 """Where Tune stopped a run's trials early, shared across the run's buckets (Ray-free; the pool forwards it).
 
-Each bucket learns its decision points (:class:`~chorus_tune.tune.rules.members.StopRecord`)
+Each bucket learns its decision points (:class:`~chorus_tune.tune.rules.stop_record.StopRecord`)
 from the trials it holds; a run's scheduler decides alike in all of them, so
 each bucket is also told what the others saw: their counts added up. A
 bucket that opens mid-run hears them at once.
 """
 from __future__ import annotations
 
-from chorus_tune.tune.rules.members import sum_counts
+from chorus_tune.tune.rules.stop_record import sum_counts
 
 Counts = dict[int, int]  # iteration -> trials decided there
 

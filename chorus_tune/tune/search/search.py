@@ -2,7 +2,8 @@
 
 Grouping by structure and refilling freed slots live in the pool
 (:mod:`chorus_tune.tune.rules.placement`, no Ray); this module is the Tune plumbing:
-drawing ahead, seating, binding trials to members, id maps, save/restore.
+drawing ahead, seating, binding trials to members, id maps, save/restore. Learning
+the task from a first trial, without ``task=``, is its part in :mod:`.scouting`.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import copy
 import logging
 import os
 import threading
-import time
 import uuid
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -23,15 +23,9 @@ from chorus_tune.tune.values import run_plan
 
 from .persistence import read_state, write_state
 from .sampler import SpaceSampler, grid_size
+from .scouting import ScoutLearning
 
 logger = logging.getLogger(__name__)
-
-# A scout that has not reached the pool after this long is given up on (its
-# trainable is not a ChorusTrainable, or its actor cannot start): the run goes
-# on unseated, saying so. Measured: a scout's first step reaches the pool 2-5 s
-# after Tune creates it on a loaded 2-core machine.
-SCOUT_TIMEOUT_S = 60.0
-
 
 
 # Trials seen continued past an iteration that clear it for speculation
@@ -95,7 +89,7 @@ def _trainable_class(task: Any) -> Any:
         f"subclass with a `task`); got {task!r}")
 
 
-class ChorusSearch(ConcurrencyLimiter):
+class ChorusSearch(ScoutLearning, ConcurrencyLimiter):
     """Seats trials in buckets before Tune asks for them, then hands them to Tune.
 
     Suggestions (from ``searcher``, or sampled from ``param_space`` as Tune's
@@ -385,69 +379,6 @@ class ChorusSearch(ConcurrencyLimiter):
             self.bucket_size = size
             if self._lookahead_given is None:
                 self._size_for_cluster()
-
-    # -- learning the task from the first trial -------------------------------
-    def _send_scout(self, trial_id: str) -> Optional[Dict]:
-        """Hand Tune one trial whose first step teaches the pool the task. Its
-        member is seated as any other (this search's seed), but placed only
-        with the members seated next, so it trains, and meets its rungs, with
-        them."""
-        from chorus_tune.tune import client
-        from chorus_tune.tune.trial.trainable import task_classes_exist
-        from chorus_tune.tune.values.options import member_seed
-
-        if not task_classes_exist():
-            # No ChorusTrainable in this process: the run's trainable is a plain
-            # one, and this search is a concurrency limiter that samples.
-            self._learning = False
-            return self._suggest(trial_id)
-        pulled = self._pull()
-        if pulled is None:
-            if self._exhausted or self._budget_spent():
-                return Searcher.FINISHED
-            return None
-        item_id, config = pulled
-        clean = users_config(config)
-        seat = (item_id, clean, member_seed(clean, self._seed_name(item_id)))
-        client.expect_scout(trial_id, seat)
-        self._scout = trial_id
-        self._scout_sent = time.monotonic()
-        self._unbound = [(i, c) for i, c in self._unbound if i != item_id]
-        self._inner_id[trial_id] = item_id
-        self.live_trials.add(trial_id)
-        self.num_unfinished_live_trials += 1
-        return copy.deepcopy(config)
-
-    def _learn_from_scout(self) -> bool:
-        """Whether the scout's task is known now (asking the pool); once it is,
-        seat the scout's member with the first cohort."""
-        from chorus_tune.tune import client
-
-        learnt = client.scout_task(self._scout)
-        if learnt is None:
-            if time.monotonic() - self._scout_sent > SCOUT_TIMEOUT_S:
-                self._stop_learning(f"its first trial {self._scout} did not reach a bucket in {SCOUT_TIMEOUT_S:.0f} s")
-            return False
-        self._task_id, self._options = learnt
-        self._learning, self._learnt = False, True
-        if self._bucket_size_given is None:
-            self.bucket_size = self._options.expected_size
-        if self.max_buckets is None:
-            self.max_buckets = self._options.max_buckets
-        self._size_for_cluster()  # the look-ahead, now that the bucket options are known
-        # The scout (a running trial) is seated with the first cohort, in one go.
-        self._reseat(draw=True)
-        logger.info("ChorusSearch learnt its task from trial %s; %d members seated", self._scout,
-                    len(self._unbound) + len(self._inner_id))
-        return True
-
-    def _stop_learning(self, why: str) -> None:
-        self._learning = False
-        logger.warning(
-            "ChorusSearch has no task= and could not learn one: %s. It runs as a plain concurrency "
-            "limiter, seating nothing, so members are not trained ahead of their trials and ChorusASHA "
-            "cannot halve cohorts. Give ChorusSearch(task=<the ChorusTrainable class given to tune.Tuner>).",
-            why)
 
     def _seed_name(self, item_id: str) -> str:
         """What a member's default seed derives from (its config's ``seed`` wins)."""
