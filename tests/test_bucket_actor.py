@@ -297,7 +297,7 @@ def test_a_trial_stopped_while_an_iteration_runs_teaches_its_point_before_the_it
         leaving = asyncio.create_task(bucket.leave("a", read=1))  # Tune stopped a's trial at 1
         await asyncio.sleep(0)
         learnt_during = bucket.book.stops.points
-        told_during = [sent for sent in notices.sent if len(sent) == 4 and sent[1]]  # stops_seen with a stop
+        told_during = [sent for sent in notices.sent if len(sent) == 3 and sent[1]]  # stops_seen with a stop
         gate.opened.set()
         await leaving
         await asking
@@ -305,7 +305,7 @@ def test_a_trial_stopped_while_an_iteration_runs_teaches_its_point_before_the_it
 
     bucket, learnt_during, told_during = asyncio.run(scenario())
     assert learnt_during == (1,)
-    assert [stopped for _, stopped, _, _ in told_during] == [{1: 1}]  # the run's other buckets hear it then
+    assert [stopped for _, stopped, _ in told_during] == [{1: 1}]  # the run's other buckets hear it then
     assert bucket.book.stops.stopped == {1: 1}  # counted once, not again when the slot was freed
 
 
@@ -518,17 +518,17 @@ def test_a_continue_that_may_clear_an_iteration_reaches_the_pool_and_evidence_fr
         reads["a"].append(await bucket.next_result("a"))
         await until(lambda: all(bucket.book.get(m).produced == 1 for m in "abc"))
         second = asyncio.create_task(bucket.next_result("a"))  # Tune continued a past 1
-        await until(lambda: any(len(sent) == 4 for sent in notices.sent))
+        await until(lambda: any(len(sent) == 3 for sent in notices.sent))
         held = {m: bucket.book.get(m).produced for m in "bc"}
-        await bucket.stops_elsewhere(0, {}, {1: 1, 2: 2})
+        await bucket.stops_elsewhere({}, {1: 1, 2: 2})
         reads["a"].append(await second)
         await until(lambda: all(bucket.book.get(m).produced == 3 for m in "bc"))
         for m in "bc":
             reads[m] += [await bucket.next_result(m) for _ in range(3)]
-        return [sent for sent in notices.sent if len(sent) == 4], held, reads
+        return [sent for sent in notices.sent if len(sent) == 3], held, reads
 
     news, held, reads = asyncio.run(scenario())
-    assert news[0] == ("test-bucket", {}, {1: 1}, 0)
+    assert news[0] == ("test-bucket", {}, {1: 1})
     assert held == {"b": 1, "c": 1}
     for m, results in reads.items():
         assert [r["iteration"] for r in results] == list(range(1, len(results) + 1)), m

@@ -53,23 +53,3 @@ def test_a_new_run_forgets_every_count():
     stops.seen("b1", {3: 2}, {})
     stops.clear()
     assert stops.elsewhere("b2") is None
-
-
-def test_counts_of_an_earlier_run_that_come_after_the_new_run_started_are_dropped():
-    # A bucket's report crossed the run's start (Ray keeps no order between an async actor's calls).
-    stops = RunStops()
-    run = stops.clear()
-    assert not stops.seen("b1", {}, {1: 16, 2: 16}, run=run - 1)
-    assert stops.elsewhere("b2") is None
-
-
-def test_counts_of_the_run_under_way_are_kept():
-    stops = RunStops()
-    run = stops.clear()
-    assert stops.seen("b1", {1: 1}, {}, run=run)
-    assert stops.elsewhere("b2") == ({1: 1}, {})
-
-
-def test_each_run_gets_a_number_of_its_own():
-    stops = RunStops()
-    assert [stops.clear(), stops.clear()] == [1, 2] and stops.run == 2

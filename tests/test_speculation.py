@@ -502,30 +502,3 @@ def test_once_the_run_stops_trials_a_continued_member_runs_ahead_of_its_trial_by
     assert book.ask("m0") is None  # continued past 4: asks for 5
     run_until_idle(book)
     assert book.get("m0").produced == 7 and book.get("m1").produced == 1
-
-
-def test_an_earlier_runs_continues_that_arrive_late_do_not_clear_this_runs_iterations():
-    # Seen: a stock-ASHA run after a FIFO run in one driver trained every member
-    # past rung 1 before any of its trials read it, and wasted 225 of 320 (run_stops.py).
-    plan = Plan(run_ahead=2, budget=10, speculate=True, clear_after=4)
-    book = book_with(plan, 2)
-    book.reset_stops(2)
-    assert not book.stops_elsewhere(1, {}, {t: 16 for t in range(1, 10)})
-    assert run_until_idle(book) == 1 and {book.get(m).produced for m in ("m0", "m1")} == {1}
-
-
-def test_this_runs_continues_from_elsewhere_clear_its_iterations():
-    plan = Plan(run_ahead=2, budget=10, speculate=True, clear_after=4)
-    book = book_with(plan, 2)
-    book.reset_stops(2)
-    assert book.stops_elsewhere(2, {}, {1: 4})
-    run(book)
-    assert book.get("m0").produced == 1 and run(book) == ["m0", "m1"]
-
-
-def test_a_reset_for_an_earlier_run_that_arrives_late_keeps_this_runs_counts():
-    book = book_with(Plan(run_ahead=2, budget=10, speculate=True, clear_after=4), 1)
-    book.stops_elsewhere(3, {1: 2}, {})  # run 3's counts: it started, its reset is on its way
-    book.reset_stops(2)
-    book.reset_stops(3)
-    assert book.stops.run == 3 and book.stops.elsewhere == ({1: 2}, {})

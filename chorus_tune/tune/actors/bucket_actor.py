@@ -44,7 +44,7 @@ from chorus_tune.tune.actors.liveness import ActorId
 from chorus_tune.tune.actors.shared_data import load_task_data
 from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
 from chorus_tune.tune.observe.metrics import BucketMetrics
-from chorus_tune.tune.rules.members import MemberBook, Phase
+from chorus_tune.tune.rules.members import MemberBook, Phase, StopRecord
 from chorus_tune.tune.rules.resources import bucket_threads, pick_device
 from chorus_tune.tune.rules.threads import ThreadChoice
 from chorus_tune.tune.rules.waits import idle_members
@@ -70,7 +70,7 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
     """
 
     def __init__(self, name: str, task_blob: bytes, options: BucketOptions, model_name: str,
-                 pool: Any = None, capacity_fit: dict | None = None, stops_run: int = 0):
+                 pool: Any = None, capacity_fit: dict | None = None):
         import torch
 
         from chorus_tune.bucket import Bucket
@@ -104,7 +104,6 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
         self.core = Bucket(task, options.bucket_size, device=self.device, route=options.route,
                            width_rule=NO_LIMIT, padding_mismatch="eager")
         self.book = MemberBook(max_queue=MAX_QUEUE, gather_s=options.gather_s)
-        self.book.reset_stops(stops_run)  # the run the pool opened it in (rules/run_stops.py)
         self.clients: dict[str, ActorId | None] = {}  # member -> the id of the trial actor reading it
         self.retired: OrderedDict[str, tuple[int, dict[int, Any]]] = OrderedDict()  # member -> (taken, states)
         self.reaped: list[str] = []
@@ -182,15 +181,14 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
             self.book.set_plan(member, plan)
             self._poke()
 
-    async def reset_stops(self, run: int) -> None:
-        """Run ``run`` starts: forget where the last one's scheduler stopped trials."""
-        self.book.reset_stops(run)
+    async def reset_stops(self) -> None:
+        """A new run starts: forget where the last one's scheduler stopped trials."""
+        self.book.stops = StopRecord()
 
-    async def stops_elsewhere(self, run: int, stopped: dict[int, int], continued: dict[int, int]) -> None:
-        """Where Tune stopped run ``run``'s trials in its other buckets (from the
-        pool); an earlier run's counts are dropped (rules/run_stops.py says why)."""
-        if self.book.stops_elsewhere(run, stopped, continued):
-            self._poke()
+    async def stops_elsewhere(self, stopped: dict[int, int], continued: dict[int, int]) -> None:
+        """Where Tune stopped the run's trials in its other buckets (from the pool)."""
+        self.book.stops.seen_elsewhere(stopped, continued)
+        self._poke()
 
     def _notify_pool(self, member: str, reason: str, error: BaseException | None = None) -> Any:
         """Tell the pool ``member`` no longer needs its slot; the pool's answer
@@ -205,8 +203,7 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
         bucket's counts."""
         if self.book.news and self._pool is not None:
             self.book.news = False
-            stops = self.book.stops
-            self._pool.stops_seen.remote(self.name, dict(stops.stopped), dict(stops.continued), stops.run)
+            self._pool.stops_seen.remote(self.name, dict(self.book.stops.stopped), dict(self.book.stops.continued))
 
     async def _reap_loop(self) -> None:
         while not self._closed.is_set():

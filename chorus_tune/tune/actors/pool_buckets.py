@@ -69,7 +69,7 @@ class BucketLifecycle:
 
             handle = BucketActor.options(**actor_options(name, NAMESPACE, resources)).remote(
                 name, self.blobs[tid], new_bucket_options(options, record.capacity, resources), model_name,
-                ray.get_runtime_context().current_actor, capacity_fit=fit, stops_run=self._stops.run)
+                ray.get_runtime_context().current_actor, capacity_fit=fit)
             self.handles[name] = handle
             self._send_stops(name)  # a bucket opened mid-run knows the decision points already
             self._share_cores()

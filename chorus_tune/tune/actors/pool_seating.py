@@ -134,10 +134,10 @@ class Seating:
         (measured: a second fit in one driver at ``max_buckets=1`` hung). One
         run at a time per driver is assumed, as for the stop counts above."""
         self._start()
-        run = self._stops.clear()
+        self._stops.clear()
         self.actor_reuse.new_run()
         for handle in list(self.handles.values()):
-            handle.reset_stops.remote(run)
+            handle.reset_stops.remote()
         unread = self.seats.unread(self.readers.members_read(), spare=seated_by)
         if self.placement is not None:
             # Queued ones first: a placed one's slot must not go to one about to leave.
@@ -232,13 +232,10 @@ class Seating:
             name = await future
         return name, SOLO if self._is_solo(name) else self.handles[name]
 
-    async def stops_seen(self, name: str, stopped: dict[int, int], continued: dict[int, int],
-                         run: int | None = None) -> None:
+    async def stops_seen(self, name: str, stopped: dict[int, int], continued: dict[int, int]) -> None:
         """Bucket ``name`` saw Tune stop a trial early, or continue one where the run still gathers
-        evidence (docs/design.md D4): tell the run's other buckets. ``run``: the run its counts
-        are of; an earlier run's are dropped (rules/run_stops.py)."""
-        if not self._stops.seen(name, stopped, continued, run):
-            return
+        evidence (docs/design.md D4): tell the run's other buckets."""
+        self._stops.seen(name, stopped, continued)
         for other in list(self.handles):
             if other != name:
                 self._send_stops(other)
@@ -246,4 +243,4 @@ class Seating:
     def _send_stops(self, name: str) -> None:
         counts = self._stops.elsewhere(name)
         if counts is not None and name in self.handles:
-            self.handles[name].stops_elsewhere.remote(self._stops.run, *counts)
+            self.handles[name].stops_elsewhere.remote(*counts)

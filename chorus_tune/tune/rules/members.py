@@ -147,24 +147,6 @@ class MemberBook:
         record.phase, record.slot = Phase.LEFT, None
         return slot
 
-    def reset_stops(self, run: int) -> None:
-        """Run ``run`` starts: where an earlier run's scheduler stopped trials
-        says nothing of this one's. A reset for a run older than the counts
-        held (Ray's calls may come out of order) changes nothing."""
-        if run > self.stops.run:
-            self.stops = StopRecord(run=run)
-
-    def stops_elsewhere(self, run: int, stopped: dict[int, int], continued: dict[int, int]) -> bool:
-        """The run's other buckets' counts (rules/run_stops.py), for run
-        ``run``: counts of an earlier run than this bucket's are dropped; those
-        of a later run mean it started (its reset is on its way). Whether they
-        were taken."""
-        if run < self.stops.run:
-            return False
-        self.reset_stops(run)
-        self.stops.seen_elsewhere(stopped, continued)
-        return True
-
     def count_stop(self, member: str) -> bool:
         """Count the stop that ``member``'s trial leaving now means, once:
         its trial left before the end the bucket knew of (its cap, a rung, a

@@ -35,10 +35,8 @@ class StopRecord:
     and forwards them), and a point is judged on all of them together.
     """
 
-    def __init__(self, min_stop_rate: float = 0.1, run: int = 0):
+    def __init__(self, min_stop_rate: float = 0.1):
         self.min_stop_rate = min_stop_rate
-        # The Tune run (the pool's count of runs in this driver) these counts are of.
-        self.run = run
         self.stopped: dict[int, int] = {}
         self.continued: dict[int, int] = {}
         self.elsewhere: tuple[dict[int, int], dict[int, int]] = ({}, {})
