@@ -197,9 +197,6 @@ class MemberBook:
         """The iteration ``record`` may be computed up to now (rules/run_ahead.py)."""
         return member_limit(record, self.stops, self.max_queue)
 
-    def _hard_limit(self, record: MemberRecord) -> float:
-        return hard_limit(record, self.max_queue)
-
     def runnable(self) -> list[MemberRecord]:
         return [r for r in self.in_slots() if r.phase is Phase.TRAINING and r.produced < self.limit(r)]
 
@@ -241,7 +238,7 @@ class MemberBook:
             if (record.member in picked or record.phase is not Phase.TRAINING or not plan.speculate
                     or plan.bucket_decides or plan.run_ahead == 0 or plan.budget is None):
                 continue
-            if record.produced < self._hard_limit(record):
+            if record.produced < hard_limit(record, self.max_queue):
                 out.append(record)
         return out
 

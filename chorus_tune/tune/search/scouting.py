@@ -16,8 +16,6 @@ from typing import Dict, Optional
 
 from ray.tune.search import Searcher
 
-from chorus_tune.config_keys import users_config
-
 logger = logging.getLogger(__name__)
 
 # A scout that has not reached the pool after this long is given up on (its
@@ -37,7 +35,6 @@ class ScoutLearning:
         them."""
         from chorus_tune.tune import client
         from chorus_tune.tune.trial.trainable import task_classes_exist
-        from chorus_tune.tune.values.options import member_seed
 
         if not task_classes_exist():
             # No ChorusTrainable in this process: the run's trainable is a plain
@@ -50,9 +47,7 @@ class ScoutLearning:
                 return Searcher.FINISHED
             return None
         item_id, config = pulled
-        clean = users_config(config)
-        seat = (item_id, clean, member_seed(clean, self._seed_name(item_id)))
-        client.expect_scout(trial_id, seat)
+        client.expect_scout(trial_id, self._seat_of(item_id, config))
         self._scout = trial_id
         self._scout_sent = time.monotonic()
         self._unbound = [(i, c) for i, c in self._unbound if i != item_id]

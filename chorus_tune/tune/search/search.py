@@ -351,14 +351,8 @@ class ChorusSearch(ScoutLearning, ConcurrencyLimiter):
         if not self.seating or not drawn:
             return
         from chorus_tune.tune import client
-        from chorus_tune.tune.values.options import member_seed
 
-        seats = []
-        for item_id, config in drawn:
-            clean = users_config(config)
-            # The seed is fixed now, before any trial exists: chorus/seed reports
-            # it, and reference.train(task, config, seed) replays the member.
-            seats.append((item_id, clean, member_seed(clean, self._seed_name(item_id))))
+        seats = [self._seat_of(item_id, config) for item_id, config in drawn]
         # A pool that died is replaced (docs/design.md "Faults"), not the run's end.
         statuses = client.seat(seats, self._task_id, self._task_blob, self._options, self._plan())
         if isinstance(statuses, dict):
@@ -379,6 +373,15 @@ class ChorusSearch(ScoutLearning, ConcurrencyLimiter):
             self.bucket_size = size
             if self._lookahead_given is None:
                 self._size_for_cluster()
+
+    def _seat_of(self, item_id: str, config: Dict) -> Tuple[str, Dict, int]:
+        """What the pool seats for a drawn suggestion: ``(member, the user's config, seed)``.
+        The seed is fixed now, before any trial exists: chorus/seed reports it,
+        and reference.train(task, config, seed) replays the member."""
+        from chorus_tune.tune.values.options import member_seed
+
+        clean = users_config(config)
+        return item_id, clean, member_seed(clean, self._seed_name(item_id))
 
     def _seed_name(self, item_id: str) -> str:
         """What a member's default seed derives from (its config's ``seed`` wins)."""
