@@ -38,10 +38,11 @@ import sys
 import tempfile
 import time
 
+from proc_reading import ProcStat, pids, read_cmdline, read_stat
+
 ROLES = ("driver", "trial actors", "pool", "buckets", "idle workers", "Ray daemons", "other")
 _DAEMONS = ("gcs_server", "raylet", "dashboard", "log_monitor", "monitor.py", "DashboardAgent", "RuntimeEnvAgent",
             "runtime_env", "agent")
-_TICK = os.sysconf("SC_CLK_TCK")
 _WALL = re.compile(r"repeat 1 \w+\s+([0-9.]+) s")
 _EPOCHS = re.compile(r"repeat 1 \w+\s.*member-epochs ([0-9]+)")
 # Where each way trains: plain Tune in its trial actors, chorus_tune in its buckets.
@@ -65,29 +66,10 @@ def role_of(cmdline: str, driver: bool) -> str:
     return "other"
 
 
-def _stat(pid: int) -> tuple[int, float] | None:
-    """``(parent pid, CPU seconds)`` of ``pid``, or None if it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            text = f.read()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2:].split()  # after "pid (comm) "
-    return int(fields[1]), (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
-def _descendants(root: int, stats: dict[int, tuple[int, float]]) -> set[int]:
+def _descendants(root: int, stats: dict[int, ProcStat]) -> set[int]:
     children: dict[int, list[int]] = {}
-    for pid, (parent, _) in stats.items():
-        children.setdefault(parent, []).append(pid)
+    for pid, stat in stats.items():
+        children.setdefault(stat.parent, []).append(pid)
     found, todo = {root}, [root]
     while todo:
         for child in children.get(todo.pop(), ()):
@@ -104,16 +86,11 @@ def sample_run(command: list[str], interval: float) -> tuple[dict[str, float], f
         start = time.monotonic()
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
         while True:
-            stats = {}
-            for entry in os.listdir("/proc"):
-                if entry.isdigit():
-                    stat = _stat(int(entry))
-                    if stat is not None:
-                        stats[int(entry)] = stat
+            stats = {pid: stat for pid in pids() if (stat := read_stat(pid)) is not None}
             for pid in _descendants(proc.pid, stats):
-                line = _cmdline(pid)
+                line = read_cmdline(pid)
                 role = role_of(line, pid == proc.pid) if line else last.get(pid, ("other", 0.0))[0]
-                last[pid] = (role, stats[pid][1])
+                last[pid] = (role, stats[pid].cpu_s)
             if proc.poll() is not None:
                 break
             time.sleep(interval)

@@ -33,6 +33,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from proc_reading import TICKS_PER_S, pids, read_cmdline, read_stat
+
 # The actor classes the suite starts, most specific first: a title names one.
 ACTOR_CLASSES = ("ChorusTrainable", "ChorusBucket", "ChorusPool")
 # Ray's own programs, by a word of their command line.
@@ -46,15 +48,6 @@ class Seen:
 
     cpu_s: float = 0.0
     titles: list[str] = field(default_factory=list)
-
-
-def parse_stat(text: str, ticks_per_s: float) -> tuple[float, int]:
-    """``(user + system CPU seconds, start time in ticks since boot)`` from a
-    ``/proc/<pid>/stat`` line. The command name in parentheses may hold
-    spaces and parentheses itself, so the fields are counted from its last ``)``."""
-    fields = text.rsplit(")", 1)[1].split()
-    # fields[0] is the state (field 3): utime, stime, starttime are fields 14, 15, 22.
-    return (int(fields[11]) + int(fields[12])) / ticks_per_s, int(fields[19])
 
 
 def role(titles: Iterable[str]) -> str:
@@ -107,26 +100,20 @@ def _boot_ticks_now(ticks_per_s: float) -> int:
 def poll(command: Sequence[str], poll_s: float) -> tuple[int, float, dict[str, Seen], float]:
     """Run ``command``, polling ``/proc`` until it exits: ``(exit code, wall
     seconds, processes seen, idle share of the machine's CPU)``."""
-    ticks = os.sysconf("SC_CLK_TCK")
-    began = _boot_ticks_now(ticks) - 1
+    began = _boot_ticks_now(TICKS_PER_S) - 1
     idle0, all0 = _machine_idle()
     start = time.monotonic()
     child = subprocess.Popen(list(command))
     seen: dict[str, Seen] = {}
     while True:
         done = child.poll() is not None
-        for pid in (p for p in os.listdir("/proc") if p.isdigit()):
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    cpu_s, started = parse_stat(f.read(), ticks)
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    title = f.read(200).replace(b"\0", b" ").decode(errors="replace").strip()
-            except (OSError, ValueError, IndexError):
-                continue  # gone meanwhile
-            if started < began or int(pid) == os.getpid():
-                continue
-            process = seen.setdefault(f"{pid}:{started}", Seen())
-            process.cpu_s = max(process.cpu_s, cpu_s)
+        for pid in pids():
+            stat = read_stat(pid)
+            if stat is None or stat.started < began or pid == os.getpid():
+                continue  # gone meanwhile, or not the command's
+            title = read_cmdline(pid, limit=200)
+            process = seen.setdefault(f"{pid}:{stat.started}", Seen())
+            process.cpu_s = max(process.cpu_s, stat.cpu_s)
             if title and title not in process.titles and len(process.titles) < 8:
                 process.titles.append(title)
         if done:

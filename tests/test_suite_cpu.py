@@ -17,12 +17,6 @@ import suite_cpu  # noqa: E402  (benchmarks/ is not a package)
 pytestmark = pytest.mark.skipif(not pathlib.Path("/proc/stat").exists(), reason="reads Linux's /proc")
 
 
-def test_stat_fields_are_counted_from_the_last_parenthesis_of_the_command_name():
-    # A command name may hold spaces and parentheses: "(a) b)" here.
-    line = "42 ((a) b)) S 1 42 42 0 -1 4194560 100 0 0 0 250 50 0 0 20 0 1 0 12345 1000 10 0"
-    assert suite_cpu.parse_stat(line, ticks_per_s=100) == (3.0, 12345)
-
-
 @pytest.mark.parametrize("titles, kind", [
     (["/venv/bin/python -u .../default_worker.py", "ray::IDLE", "ray::ChorusBucket.train"], "actor ChorusBucket"),
     (["ray::ChorusTrainable.train()", "ray::IDLE"], "actor ChorusTrainable"),
