@@ -196,6 +196,12 @@ class IterationRunner:
         differed), or ``None`` before the first."""
         return "+".join(sorted(self._last_routes)) or None
 
+    @property
+    def last_routes(self) -> int:
+        """How many routes the last iteration ran (more than one: a probe
+        timed its candidates, or its groups differed)."""
+        return len(self._last_routes)
+
     def _ran(self, route: str, rows: int) -> None:
         self.last_rows += rows
         self._last_routes.add(route)

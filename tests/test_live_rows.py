@@ -157,7 +157,8 @@ def test_a_lone_member_trains_eager_until_torch_optim_is_warm_in_the_process(tor
     bucket = filled(task, 2, chosen, "auto")
     bucket.run_iteration()
     lone = bucket.run_iteration([1])[1]
-    assert lone["route"] == "eager" and bucket.last_route == "eager" and bucket.last_rows == 1
+    assert lone["route"] == "eager" and bucket.last_route == "eager" and bucket.last_routes == 1
+    assert bucket.last_rows == 1
     expected, _ = reference.train(task, chosen[1], iterations=2)
     assert lone["val_loss"] == pytest.approx(expected[1]["val_loss"], rel=RTOL)
 

@@ -206,7 +206,7 @@ def test_training_steps_time_the_routes_and_the_probe_only_checks_them(monkeypat
     assert set(report["seconds"]) == {"batched", "vmap", "eager"}
     assert bucket.route_reason is RouteReason.FASTER and bucket.route == min(report["seconds"],
                                                                               key=report["seconds"].get)
-    assert bucket.last_route == "batched+eager+vmap"
+    assert bucket.last_route == "batched+eager+vmap" and bucket.last_routes == 3
     for slot, config in zip(slots, configs):
         expected, model = reference.train(task, config, iterations=1)
         assert results[slot]["route"] == bucket.route

@@ -103,7 +103,7 @@ class TrainingLoop:
             seconds = time.perf_counter() - start
             if self.core.fused_steps > steps_before:
                 self._threads.observe(threads, len(members), seconds / (self.core.fused_steps - steps_before),
-                                      routes=len((self.core.last_route or "").split("+")))
+                                      routes=self.core.last_routes)
             self.iterations += 1
             rows = self.core.last_rows
             self.member_iterations += len(out)
