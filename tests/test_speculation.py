@@ -394,11 +394,11 @@ class Sweep:
 
 
 def sweep(decide, n: int = 16, cap: int = 10, in_flight: int = 4, seed: int = 0,
-          clear_after: int = 4, staggered: bool = False, waited_for_first: bool = False) -> Sweep:
+          clear_after: int = 4, staggered: bool = False) -> Sweep:
     """``n`` members seated in one bucket, Tune running ``in_flight`` trials at
     once in seat order, deciding after each result. Tune reads faster than the
     bucket trains, or (``staggered``) the bucket trains whatever it may after
-    each decision Tune makes. ``waited_for_first``: the book's option (a CPU bucket's)."""
+    each decision Tune makes."""
     import random
 
     draw = random.Random(seed)
@@ -408,7 +408,6 @@ def sweep(decide, n: int = 16, cap: int = 10, in_flight: int = 4, seed: int = 0,
         return base[member] + 0.3 * random.Random(f"{seed}-{member}-{iteration}").random()
 
     book = book_with(Plan(run_ahead=2, budget=cap, speculate=True, clear_after=clear_after), n)
-    book.waited_for_first = waited_for_first
     waiting, flying, lives, stopped = [f"m{i}" for i in range(n)], [], [], 0
     while waiting or flying:
         while waiting and len(flying) < in_flight:
@@ -503,75 +502,3 @@ def test_once_the_run_stops_trials_a_continued_member_runs_ahead_of_its_trial_by
     assert book.ask("m0") is None  # continued past 4: asks for 5
     run_until_idle(book)
     assert book.get("m0").produced == 7 and book.get("m1").produced == 1
-
-
-# ----- a CPU bucket's first iteration: the members whose trials wait, first -------------------------
-def cpu_book(plan: Plan, n: int) -> MemberBook:
-    book = book_with(plan, n)
-    book.waited_for_first = True
-    return book
-
-
-def test_a_cpu_buckets_first_iteration_trains_only_the_members_whose_trials_wait():
-    book = cpu_book(Plan(run_ahead=2, budget=10, speculate=True), 6)
-    for member in ("m1", "m4"):
-        book.attach(member)
-        assert book.ask(member) is None  # its trial waits for iteration 1
-    assert run(book) == ["m1", "m4"]
-
-
-def test_the_members_nobody_waited_for_train_in_the_second_iteration_beside_the_first_ones():
-    book = cpu_book(Plan(run_ahead=2, budget=10, speculate=True), 6)
-    book.attach("m0")
-    book.ask("m0")
-    run(book)
-    assert book.ask("m0").iteration == 1
-    book.ask("m0")  # continued: it waits for iteration 2
-    assert run(book) == [f"m{i}" for i in range(6)]
-    assert [book.get(f"m{i}").produced for i in range(6)] == [2, 1, 1, 1, 1, 1]
-
-
-def test_only_the_first_iteration_leaves_out_the_members_nobody_waits_for():
-    book = cpu_book(Plan(run_ahead=2, budget=10), 4)  # each may run 2 past its ask
-    run(book)  # nobody waited: every member trained
-    book.attach("m2")
-    book.ask("m2")
-    book.ask("m2")
-    assert run(book) == ["m0", "m1", "m2", "m3"]
-
-
-def test_without_a_waiting_trial_the_first_iteration_trains_every_member():
-    book = cpu_book(Plan(run_ahead=2, budget=10, speculate=True), 4)
-    assert run(book) == ["m0", "m1", "m2", "m3"]
-
-
-def test_a_cohort_the_bucket_halves_trains_its_first_iteration_together_even_on_a_cpu():
-    # ChorusASHA halves the members that reach a rung in one iteration: split,
-    # the cohort would be halved in two parts.
-    plan = Plan(budget=4, bucket_decides=True, rungs=(1,), reduction_factor=2, metric="val_loss", sign=-1.0)
-    book = cpu_book(plan, 4)
-    book.attach("m0")
-    book.ask("m0")
-    assert run(book) == ["m0", "m1", "m2", "m3"]
-
-
-def test_without_the_option_the_first_iteration_trains_every_member_whatever_waits():
-    book = book_with(Plan(run_ahead=2, budget=10, speculate=True), 4)
-    book.attach("m0")
-    book.ask("m0")
-    assert run(book) == ["m0", "m1", "m2", "m3"]
-
-
-def test_a_fifo_sweep_on_a_cpu_trains_the_same_member_epochs_in_one_iteration_more_and_wastes_nothing():
-    result = sweep(fifo, waited_for_first=True)
-    assert result.book.wasted == 0
-    assert result.lives[0] == 4  # the trials in flight, before the 12 nobody reads yet
-    assert result.trained == 160 and len(result.lives) == 11
-
-
-def test_under_stock_asha_on_a_cpu_waste_stays_rare_and_within_the_bound():
-    results = [sweep(stock_asha(), n=32, seed=seed, waited_for_first=True) for seed in range(60)]
-    assert sum(r.book.wasted for r in results) <= 0.1 * sum(r.trained for r in results)
-    for r in results:
-        assert r.lives[0] == 4
-        assert r.book.wasted <= r.stopped_early * (10 - 1)

@@ -103,11 +103,7 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
         # so this one runs eager instead.
         self.core = Bucket(task, options.bucket_size, device=self.device, route=options.route,
                            width_rule=NO_LIMIT, padding_mismatch="eager")
-        # On a CPU an iteration's time grows with its members, so the first
-        # result need not wait for members nobody reads yet; on a GPU a small
-        # model's step costs about the same for 2 members as for 16.
-        self.book = MemberBook(max_queue=MAX_QUEUE, gather_s=options.gather_s,
-                               waited_for_first=self.device == "cpu")
+        self.book = MemberBook(max_queue=MAX_QUEUE, gather_s=options.gather_s)
         self.clients: dict[str, ActorId | None] = {}  # member -> the id of the trial actor reading it
         self.retired: OrderedDict[str, tuple[int, dict[int, Any]]] = OrderedDict()  # member -> (taken, states)
         self.reaped: list[str] = []

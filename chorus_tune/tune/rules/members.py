@@ -71,19 +71,14 @@ class MemberBook:
     whose trial is about to ask, or whose next iteration the run's trials
     deciding now may clear (so trials in step with each other, and members
     continued together, train in one fused iteration), never for a member
-    left out last time. ``waited_for_first``: where an iteration's time grows
-    with the members it trains (a CPU), the bucket's first iteration trains
-    only the members whose trials already wait for it, when there are such
-    members and others (:meth:`_first_for_waiting`).
+    left out last time.
     """
 
-    def __init__(self, max_queue: int = 64, gather_s: float = 0.05, waited_for_first: bool = False):
+    def __init__(self, max_queue: int = 64, gather_s: float = 0.05):
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1; got {max_queue}")
         self.max_queue = max_queue
         self.gather_s = gather_s
-        self.waited_for_first = waited_for_first
-        self.iterations_started = 0
         self.records: dict[str, MemberRecord] = {}
         self.wasted = 0
         self.stops = StopRecord()
@@ -274,27 +269,7 @@ class MemberBook:
         remaining = self._ready_since + self.gather_s - now
         if gather and waiting_for and remaining > 0:
             return [], remaining
-        chosen = self._first_for_waiting(runnable)
-        return (chosen + self.riders(runnable) if ride else chosen), None
-
-    def _first_for_waiting(self, runnable: list[MemberRecord]) -> list[MemberRecord]:
-        """``runnable``, or, in the bucket's first iteration, only the members
-        whose trials already wait for a result (with ``waited_for_first``).
-
-        Why: a bucket's first iteration trains every seated member, and the
-        run's first result waits for all of it, while Tune has started only a
-        few of their trials (4 in flight on 2 cores). Where an iteration's time
-        grows with its members, the members nobody waits for cost the first
-        result their whole share; they train in the next iteration, beside the
-        first members' second, so the bucket trains the same member-epochs in
-        one iteration more. Only where Tune decides: a cohort that ChorusASHA
-        halves must reach its rung in one iteration."""
-        if not self.waited_for_first or self.iterations_started:
-            return runnable
-        if any(r.plan.bucket_decides for r in runnable):
-            return runnable
-        waited = [r for r in runnable if r.attached and r.asked > r.produced]
-        return waited if 0 < len(waited) < len(runnable) else runnable
+        return (runnable + self.riders(runnable) if ride else runnable), None
 
     def expect_refill(self, members: Iterable[str], until: float) -> None:
         """The pool placed ``members`` here, into slots this bucket freed: the
@@ -322,7 +297,6 @@ class MemberBook:
         """An iteration starts with ``trained``: members left out while their
         trial was behind are lagging (never waited for, until they catch up)."""
         self._ready_since = None
-        self.iterations_started += 1
         chosen = {r.member for r in trained}
         for record in self.records.values():
             if record.member in chosen:
