@@ -22,10 +22,9 @@ def test_stat_fields_are_counted_from_the_last_parenthesis_of_the_command_name()
 
 
 def test_this_process_reads_as_a_child_of_its_parent_with_its_own_command_line():
-    stat = proc_reading.read_stat(os.getpid())
+    stat, line = proc_reading.read_stat(os.getpid()), proc_reading.read_cmdline(os.getpid())
     assert stat is not None and stat.parent == os.getppid() and stat.cpu_s > 0
-    assert "pytest" in proc_reading.read_cmdline(os.getpid()) or sys.executable in proc_reading.read_cmdline(
-        os.getpid())
+    assert "pytest" in line or sys.executable in line
     assert os.getpid() in proc_reading.pids()
 
 
