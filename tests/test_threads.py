@@ -71,6 +71,16 @@ def test_a_new_offer_is_measured_afresh():
     assert run(choice, 2, SLOW_MANY) == [2, 1]
 
 
+def test_a_new_offer_never_pairs_with_an_iteration_timed_before_it():
+    # Timed under the old offer, an iteration ran beside other buckets' threads
+    # (the pool offers fewer while more buckets train): its cost a step is not
+    # this offer's, and paired with the next iteration it chose the count unmeasured.
+    choice = ThreadChoice(offered=1)
+    run(choice, 1, SLOW_MANY)
+    choice.offer(2)
+    assert run(choice, 3, FAST_MANY) == [2, 1, 2]
+
+
 def test_reprobe_after_must_be_positive():
     with pytest.raises(ValueError, match="reprobe_after"):
         ThreadChoice(reprobe_after=0)

@@ -56,7 +56,12 @@ class ThreadChoice:
         """The pool offers ``threads`` from now on; a new count is measured afresh."""
         threads = max(1, int(threads))
         if threads != self.offered:
+            # The offer changes as other buckets open or close, so what ran before
+            # ran beside other threads than will now: no timing of it pairs with
+            # the next iteration (paired, a bucket's first iteration, offered one
+            # thread, made its second, on two, the measured pair).
             self.ratio, self._backoff = None, 1
+            self._last, self._one_per_step, self._strikes = None, None, 0
         self.offered = threads
 
     def choose(self, rows: int) -> int:
