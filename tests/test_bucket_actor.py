@@ -802,3 +802,45 @@ def test_a_refill_the_pool_placed_trains_with_the_members_in_slots_not_an_iterat
     assert c[rk.BUCKET_ITERATION] == b[1][rk.BUCKET_ITERATION] == 2
     expected = reference_history("c", 1)
     assert c["val_loss"] == pytest.approx(expected[0]["val_loss"], rel=RTOL)
+
+
+RANKED = Plan(run_ahead=2, budget=3, speculate=True, metric="val_loss", sign=-1.0)
+
+
+async def _first_and_second(bucket: ChorusBucket) -> tuple[str, str, asyncio.Task]:
+    """Two trials wait for iteration 1 of an unsettled run: who read first, and the other's pending read."""
+    reads = {m: asyncio.create_task(bucket.next_result(m)) for m in "ab"}
+    done, _ = await asyncio.wait(reads.values(), return_when=asyncio.FIRST_COMPLETED)
+    first = next(m for m, task in reads.items() if task in done)
+    second = "b" if first == "a" else "a"
+    return first, second, reads[second]
+
+
+def test_a_held_read_is_answered_when_the_first_readers_trial_asks_again():
+    # rules/read_order.py: the lowest waiting trial reads after Tune decided the first.
+    async def scenario():
+        bucket = make_bucket(2, gather_s=2.0)  # the first's next iteration waits for the second: no answer from it
+        await seat(bucket, "ab", RANKED)
+        first, second, pending = await _first_and_second(bucket)
+        await asyncio.sleep(0.1)
+        held = not pending.done()
+        asking = asyncio.create_task(bucket.next_result(first))  # Tune continued the first
+        result = await asyncio.wait_for(pending, timeout=0.3)  # before the hold (0.5 s) ends
+        asking.cancel()
+        await bucket.close()
+        return held, result, first
+
+    held, result, first = asyncio.run(scenario())
+    assert held and result[rk.ITERATION] == 1 and first != result[rk.MEMBER]
+
+
+def test_a_held_read_is_answered_when_its_hold_ends_without_a_decision():
+    async def scenario():
+        bucket = make_bucket(2)
+        await seat(bucket, "ab", RANKED)
+        _, _, pending = await _first_and_second(bucket)
+        result = await asyncio.wait_for(pending, timeout=5)  # the first's trial never asks again
+        await bucket.close()
+        return result
+
+    assert asyncio.run(scenario())[rk.ITERATION] == 1

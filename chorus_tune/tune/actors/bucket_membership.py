@@ -166,6 +166,7 @@ class Membership:
         # must not clear the point this stop teaches (docs/design.md D4).
         self.book.count_stop(member)
         self._send_stops_news()
+        self._resolve_held()  # Tune's stop may be the decision a held read waited for
         if keep_state and record.state_at_taken is not None:
             self.retired[member] = self._held_states(record, read)
             while len(self.retired) > RETIRED_KEEP:

@@ -121,6 +121,7 @@ class ResultReads:
                                                "last request was answered"))
         entry = self.book.ask(member)  # raises the member's build error
         self._send_stops_news()
+        self._resolve_held()  # this ask may be the decision a held read waited for
         if entry is not None:
             self._poke()
             return self._as_read(member, entry)
@@ -128,6 +129,7 @@ class ResultReads:
             return self._retired_result(member)
         future = asyncio.get_running_loop().create_future()
         self._waiters[member] = future
+        self._recheck_when_held(member)
         self._poke()
         return await future
 
@@ -146,7 +148,7 @@ class ResultReads:
         if waiter is None or waiter.done():
             self._waiters.pop(member, None)
             return
-        record = self.book.get(member)
+        record, entry = self.book.get(member), None
         if member in self.moved and (record is None or record.phase is Phase.LEFT):
             waiter.set_exception(moved_error(member, self.name))
         elif record is None or record.phase is Phase.LEFT:
@@ -160,5 +162,22 @@ class ResultReads:
             elif self.book.exhausted(member):
                 waiter.set_result(self._retired_result(member))
             else:
+                self._recheck_when_held(member)
                 return
         self._waiters.pop(member, None)
+        if entry is not None:
+            self._resolve_held()  # a read may be the one a held read waited for
+
+    def _resolve_held(self) -> None:
+        """Answer the waiting trials the read order held back (rules/read_order.py),
+        where the read or decision they waited for has come."""
+        for member in [m for m in self.book.held_until if m in self._waiters]:
+            self._resolve(member)
+
+    def _recheck_when_held(self, member: str) -> None:
+        """A read the read order holds back is answered when its hold ends at
+        the latest: nothing else may come to wake it (every wait ends)."""
+        until = self.book.held_until.get(member)
+        if until is not None:
+            delay = max(0.0, until - self.book.clock()) + 0.005
+            asyncio.get_running_loop().call_later(delay, self._resolve, member)

@@ -49,10 +49,12 @@ first) are counted per member and in total.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+import time
+from typing import Any, Callable, Iterable
 
 from chorus_tune.tune.rules.halving import CONTINUE, STOP, select_survivors
 from chorus_tune.tune.rules.member_record import IN_SLOT, Entry, MemberRecord, Phase
+from chorus_tune.tune.rules.read_order import ReadOrder
 from chorus_tune.tune.rules.run_ahead import hard_limit, member_limit
 from chorus_tune.tune.rules.stop_record import StopRecord
 from chorus_tune.tune.values import result_keys as rk
@@ -74,11 +76,17 @@ class MemberBook:
     left out last time.
     """
 
-    def __init__(self, max_queue: int = 64, gather_s: float = 0.05):
+    def __init__(self, max_queue: int = 64, gather_s: float = 0.05, hold_s: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic):
         if max_queue < 1:
             raise ValueError(f"max_queue must be at least 1; got {max_queue}")
         self.max_queue = max_queue
         self.gather_s = gather_s
+        self.clock = clock
+        # Who reads first where several trials wait at an iteration Tune has not settled (read_order.py).
+        self.read_order = ReadOrder(hold_s)
+        # Members whose waiting trial is held back by that order: when to ask again, at the latest.
+        self.held_until: dict[str, float] = {}
         self.records: dict[str, MemberRecord] = {}
         self.wasted = 0
         self.stops = StopRecord()
@@ -141,6 +149,7 @@ class MemberBook:
             record.wasted += wasted
             self.wasted += wasted
         record.queue.clear()
+        self.held_until.pop(member, None)
         # Its last state goes too: the bucket keeps a few of those, bounded,
         # for a late save; a record of each member that ever left must not.
         record.state_at_taken = None
@@ -369,9 +378,10 @@ class MemberBook:
         return slot
 
     # ----- what trials read -------------------------------------------------------------------------
-    def ask(self, member: str) -> Entry | None:
+    def ask(self, member: str, ordered: bool = True) -> Entry | None:
         """``member``'s trial asks for its next result: the result if one is
-        ready (delivered now), else ``None`` (it waits; the ask counts)."""
+        ready (delivered now), else ``None`` (it waits; the ask counts).
+        ``ordered``: as for :meth:`deliver`."""
         record = self._get(member)
         if record.phase is Phase.FAILED:
             raise record.error
@@ -389,13 +399,18 @@ class MemberBook:
             record.hold_at = None
             if record.phase is Phase.HELD:
                 record.phase = Phase.TRAINING
-        return self.deliver(member)
+        return self.deliver(member, ordered)
 
-    def deliver(self, member: str) -> Entry | None:
-        """The next result of a member whose trial is waiting for it, if computed."""
+    def deliver(self, member: str, ordered: bool = True) -> Entry | None:
+        """The next result of a member whose trial is waiting for it, if computed
+        and its turn (``ordered``: the read order of read_order.py applies; a
+        result the trial fetched already is replayed unordered)."""
         record = self._get(member)
         if record.asked <= record.taken or not record.queue:
             return None
+        if ordered and self._held(record):
+            return None
+        self.held_until.pop(member, None)
         entry = record.queue.popleft()
         record.taken = entry.iteration
         record.state_at_taken = entry.state
@@ -419,8 +434,37 @@ class MemberBook:
                 # the error at its next fetch); ask would raise that error here.
                 record.asked = max(record.asked, record.taken + 1)
                 self.deliver(member)
-            elif self.ask(member) is None:
+            elif self.ask(member, ordered=False) is None:
                 break
+
+    def _held(self, record: MemberRecord) -> bool:
+        """Whether ``record``'s waiting trial reads after another's at an
+        iteration Tune has not settled (read_order.py); notes until when."""
+        plan, entry = record.plan, record.queue[0]
+        iteration = entry.iteration
+        if (plan.metric is None or not plan.speculate or plan.bucket_decides
+                or not self.read_order.pending(iteration) or self.stops.any_stopped
+                or (plan.budget is not None and iteration >= plan.budget)  # nothing trains past it
+                or self.stops.clear(iteration, plan.clear_after)):
+            return False
+        rivals = {r.member: _score(r.plan, r.queue[0].result) for r in self.records.values()
+                  if r is not record and r.phase not in _GONE and r.asked > r.taken and r.queue
+                  and r.queue[0].iteration == iteration}
+        now = self.clock()
+        wait = self.read_order.hold(record.member, iteration, _score(plan, entry.result), rivals,
+                                    lambda m: self._decided(m, iteration), now)
+        if wait is None:
+            return False
+        self.held_until[record.member] = now + wait
+        return True
+
+    def _decided(self, member: str, iteration: int) -> bool:
+        """Whether Tune's decision on ``member``'s result at ``iteration`` reached the bucket
+        (its trial asked past it, or left), or will not soon: its trial fetched
+        results past it too, and asks again only once Tune has read those."""
+        record = self.records.get(member)
+        return (record is None or record.phase in _GONE or record.stop_counted
+                or record.asked > iteration or bool(record.queue))
 
     def exhausted(self, member: str) -> bool:
         """The member's trial asks for more than it will ever get (it finished)."""
@@ -432,6 +476,17 @@ class MemberBook:
         if record is None:
             raise KeyError(f"no member {member} in this bucket")
         return record
+
+
+_GONE = (Phase.LEFT, Phase.FAILED)
+
+
+def _score(plan: Plan, result: dict[str, Any]) -> float:
+    """A result's metric, higher is better; a missing or NaN one ranks last."""
+    raw = result.get(plan.metric)
+    if not isinstance(raw, (int, float)) or isinstance(raw, bool) or math.isnan(raw):
+        return -math.inf
+    return plan.sign * float(raw)
 
 
 def meets_stop_criteria(plan: Plan, result: dict[str, Any]) -> bool:

@@ -184,6 +184,7 @@ class ChorusSearch(ScoutLearning, ConcurrencyLimiter):
         self._exhausted = False          # the inner searcher said FINISHED
         self._stop_at: Optional[int] = None
         self._stop_criteria: Tuple[Tuple[str, float], ...] = ()
+        self._rank: Optional[Tuple[str, float]] = None  # the run's (metric, sign): the read order's
         self._unbound: List[Tuple[str, Dict]] = []  # seated (or held) suggestions, oldest first
         self._solo: set = set()  # seated suggestions whose trial trains its member itself (rules/solo.py)
         self._inner_id: Dict[str, str] = {}    # Tune trial id -> inner id (= member id)
@@ -201,6 +202,8 @@ class ChorusSearch(ScoutLearning, ConcurrencyLimiter):
         if isinstance(num_samples, int) and num_samples > 0:
             self._budget = num_samples
         self._stop_at, self._stop_criteria = run_plan.stop_terms(spec.get("stop"))
+        self._rank = run_plan.rank_of(metric, mode) or run_plan.rank_of(
+            getattr(self.searcher, "metric", None), getattr(self.searcher, "mode", None))
         run_plan.clear()  # ChorusASHA, if it runs, announces its rungs next
         if ray.is_initialized():
             self._size_for_cluster()
@@ -345,7 +348,7 @@ class ChorusSearch(ScoutLearning, ConcurrencyLimiter):
     def _plan(self):
         return self._options.plan(run_plan.announced(), budget=self.max_iterations, stop_at=self._stop_at,
                                   stop_criteria=self._stop_criteria,
-                                  clear_after=clear_after(self.max_concurrent, self._budget))
+                                  clear_after=clear_after(self.max_concurrent, self._budget), rank=self._rank)
 
     def _seat(self, drawn: List[Tuple[str, Dict]]) -> None:
         if not self.seating or not drawn:

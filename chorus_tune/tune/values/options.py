@@ -125,7 +125,7 @@ class BucketOptions:
 
     def plan(self, schedule: "RungSchedule | None" = None, budget: int | None = None,
              stop_at: int | None = None, stop_criteria: tuple[tuple[str, float], ...] = (),
-             clear_after: int = Plan.clear_after) -> Plan:
+             clear_after: int = Plan.clear_after, rank: tuple[str, float] | None = None) -> Plan:
         """The member plan these options give, with a scheduler's rungs if any.
 
         ``budget``: an iteration budget given elsewhere (ChorusSearch), taking
@@ -135,7 +135,10 @@ class BucketOptions:
         the run's stop dict on other keys, checked by the bucket on each result.
         ``clear_after``: the trials seen continued past an iteration that clear
         it for speculation (at most the trials Tune runs at once, or FIFO waits
-        for trials to end before its members may train on).
+        for trials to end before its members may train on). ``rank``: the
+        run's ``(metric, sign)`` where Tune decides (the order in which waiting
+        trials read an unsettled iteration: rules/read_order.py); ``None``
+        where the run names no metric.
         """
         budget = budget if budget is not None else self.max_iterations
         common = dict(run_ahead=self.run_ahead, speculate=self.speculate, stop_criteria=tuple(stop_criteria),
@@ -146,6 +149,8 @@ class BucketOptions:
                         rungs=tuple(r for r in schedule.rungs if r < min(caps)),
                         reduction_factor=schedule.reduction_factor, metric=schedule.metric,
                         sign=schedule.sign, **common)
+        if rank is not None:
+            common.update(metric=rank[0], sign=rank[1])
         if budget is not None:
             if stop_at is not None:
                 budget = min(budget, stop_at)

@@ -86,6 +86,14 @@ def take_trial_solo() -> bool:
     return solo
 
 
+def rank_of(metric: Any, mode: Any) -> tuple[str, float] | None:
+    """A run's ``(metric, sign)`` (``sign`` +1 for ``mode="max"``, -1 for
+    ``"min"``), or ``None`` where either is not given."""
+    if isinstance(metric, str) and metric and mode in ("max", "min"):
+        return metric, 1.0 if mode == "max" else -1.0
+    return None
+
+
 def stop_terms(stop: Any) -> tuple[int | None, tuple[tuple[str, float], ...]]:
     """What a run's ``stop`` dict lets a bucket decide: ``(cap, criteria)``.
 
