@@ -115,6 +115,7 @@ class ChorusBucket(Membership, ResultReads, RegroupMoves, TrainingLoop):
         self.compactions = 0
         self._unfused_warmed = False  # bucket_training._warm_while_waiting: once per bucket
         self._waiters: dict[str, asyncio.Future] = {}
+        self._held_logged: set[tuple[str, int]] = set()  # reads the read order held, logged once each
         self._asked_at: dict[str, float] = {}  # member -> when its trial last asked for a result
         # member -> the iteration of the last result its trial fetched (next_results):
         # the results after its ``taken`` up to this one may be in its trial's hands.

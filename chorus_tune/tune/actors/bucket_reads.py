@@ -179,5 +179,10 @@ class ResultReads:
         the latest: nothing else may come to wake it (every wait ends)."""
         until = self.book.held_until.get(member)
         if until is not None:
+            record = self.book.get(member)
+            if record is not None and record.queue and (member, record.queue[0].iteration) not in self._held_logged:
+                self._held_logged.add((member, record.queue[0].iteration))
+                logger.info("%s: member %s reads iteration %d after another trial's read there is decided "
+                            "(read order, rules/read_order.py)", self.name, member, record.queue[0].iteration)
             delay = max(0.0, until - self.book.clock()) + 0.005
             asyncio.get_running_loop().call_later(delay, self._resolve, member)

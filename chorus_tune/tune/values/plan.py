@@ -19,7 +19,9 @@ class Plan:
     (higher is better after the sign). ``speculate``: when Tune decides, train
     on to ``budget`` except past the decision points the bucket has learned
     (see the module docstring); else at most ``run_ahead`` beyond the ask.
-    ``stop_criteria``: ``(key, value)`` pairs of a stop dict; a result with
+    ``metric``/``sign`` also name the run's metric where Tune decides (the
+    order in which waiting trials read an unsettled iteration,
+    rules/read_order.py). ``stop_criteria``: ``(key, value)`` pairs of a stop dict; a result with
     ``result[key] >= value`` is the member's last (Tune's own rule,
     ``Trial.should_stop``). ``clear_after``: when speculating, an iteration is
     known clear of Tune's decisions once this many of the run's trials were
