@@ -73,11 +73,17 @@ def ranked_book(n: int, plan: Plan = RANKED):
     return book, clock
 
 
+def waiting_at_1(scores: dict[str, float], plan: Plan = RANKED):
+    """A bucket whose members' trials all wait for iteration 1, computed with ``scores``."""
+    book, clock = ranked_book(len(scores), plan)
+    for member in scores:
+        book.ask(member)
+    run(book, scores)
+    return book, clock
+
+
 def test_the_lowest_waiting_trial_reads_only_after_the_first_was_decided():
-    book, _ = ranked_book(3)
-    for m in ("m0", "m1", "m2"):
-        book.ask(m)  # three trials wait for iteration 1
-    run(book, {"m0": 0.1, "m1": 0.9, "m2": 0.5})
+    book, _ = waiting_at_1({"m0": 0.1, "m1": 0.9, "m2": 0.5})  # three trials wait for iteration 1
     assert book.deliver("m0") is None  # the lowest: not first
     assert book.deliver("m1").iteration == 1  # m1 leads
     assert book.deliver("m2") is None  # Tune has not decided m1 yet
@@ -90,10 +96,7 @@ def test_the_lowest_waiting_trial_reads_only_after_the_first_was_decided():
 
 
 def test_a_stop_of_the_first_is_its_decision():
-    book, _ = ranked_book(2)
-    book.ask("m0")
-    book.ask("m1")
-    run(book, {"m0": 0.9, "m1": 0.1})
+    book, _ = waiting_at_1({"m0": 0.9, "m1": 0.1})
     assert book.deliver("m0").iteration == 1
     assert book.deliver("m1") is None
     book.leave("m0")  # Tune stopped it
@@ -101,10 +104,7 @@ def test_a_stop_of_the_first_is_its_decision():
 
 
 def test_a_held_read_goes_ahead_once_its_hold_ends():
-    book, clock = ranked_book(2)
-    book.ask("m0")
-    book.ask("m1")
-    run(book, {"m0": 0.9, "m1": 0.1})
+    book, clock = waiting_at_1({"m0": 0.9, "m1": 0.1})
     book.deliver("m0")
     assert book.deliver("m1") is None
     clock[0] = book.held_until["m1"]
@@ -112,51 +112,36 @@ def test_a_held_read_goes_ahead_once_its_hold_ends():
 
 
 def test_reads_go_in_any_order_once_the_run_has_stopped_a_trial():
-    book, _ = ranked_book(3)
+    book, _ = waiting_at_1({"m0": 0.1, "m1": 0.9, "m2": 0.5})
     book.stops.stop(4)  # a stop anywhere: the run is known to stop trials (D4's survivors' rule bounds waste)
-    for m in ("m0", "m1", "m2"):
-        book.ask(m)
-    run(book, {"m0": 0.1, "m1": 0.9, "m2": 0.5})
     assert book.deliver("m0").iteration == 1
 
 
 def test_reads_go_in_any_order_where_the_run_names_no_metric():
-    book, _ = ranked_book(2, Plan(run_ahead=2, budget=10, speculate=True))
-    book.ask("m0")
-    book.ask("m1")
-    run(book, {"m0": 0.1, "m1": 0.9})
+    book, _ = waiting_at_1({"m0": 0.1, "m1": 0.9}, Plan(run_ahead=2, budget=10, speculate=True))
     assert book.deliver("m0").iteration == 1
 
 
 def test_reads_go_in_any_order_where_the_bucket_decides():
-    book, _ = ranked_book(2, Plan(budget=10, bucket_decides=True, metric="val_loss", sign=1.0))
-    book.ask("m0")
-    book.ask("m1")
-    run(book, {"m0": 0.1, "m1": 0.9})
+    book, _ = waiting_at_1({"m0": 0.1, "m1": 0.9}, Plan(budget=10, bucket_decides=True, metric="val_loss", sign=1.0))
     assert book.deliver("m0").iteration == 1
 
 
 def test_results_a_trial_fetched_already_are_replayed_unordered():
-    book, _ = ranked_book(2)
-    book.ask("m0")
-    book.ask("m1")
-    run(book, {"m0": 0.1, "m1": 0.9})
+    book, _ = waiting_at_1({"m0": 0.1, "m1": 0.9})
     book.read_to("m0", 1)  # its trial fetched iteration 1 before and says Tune read it
     assert book.get("m0").taken == 1
 
 
 def test_a_minimised_metric_ranks_the_smallest_highest():
-    book, _ = ranked_book(2, Plan(run_ahead=2, budget=10, speculate=True, metric="val_loss", sign=-1.0))
-    book.ask("m0")
-    book.ask("m1")
-    run(book, {"m0": 0.1, "m1": 0.9})  # m1's loss is the worst
+    book, _ = waiting_at_1({"m0": 0.1, "m1": 0.9},  # m1's loss is the worst
+                           Plan(run_ahead=2, budget=10, speculate=True, metric="val_loss", sign=-1.0))
     assert book.deliver("m1") is None
     assert book.deliver("m0").iteration == 1
 
 
 def test_reads_go_in_any_order_at_the_last_iteration():
-    book, _ = ranked_book(2, Plan(run_ahead=2, budget=1, speculate=True, metric="val_loss", sign=1.0))
-    book.ask("m0")
-    book.ask("m1")
-    run(book, {"m0": 0.1, "m1": 0.9})  # nothing trains past iteration 1: no order can spare anything
+    # Nothing trains past iteration 1: no order can spare anything.
+    book, _ = waiting_at_1({"m0": 0.1, "m1": 0.9}, Plan(run_ahead=2, budget=1, speculate=True, metric="val_loss",
+                                                        sign=1.0))
     assert book.deliver("m0").iteration == 1
