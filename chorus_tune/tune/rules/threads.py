@@ -10,8 +10,8 @@ members); with the other core busy (as Tune's driver and trial actors keep it
 through a sweep), 1.7-2.9x, since OpenMP's threads wait on each other at
 every op. A wide model gains (the 4-width sweep's width-256 bucket: 2.6 s an
 iteration on 2 threads against 4.8 s on 1). So the bucket measures: one
-iteration on each count, back to back, gives their ratio a step, and it
-trains on the faster. The slower is measured again after ``reprobe_after``
+iteration on each count, back to back (one thread first), gives their
+ratio a step, and it trains on the faster. The slower is measured again after ``reprobe_after``
 iterations, then after twice as many each time it loses again (a probe of
 the slower count costs its whole iteration: in a 128-trial ChorusASHA run's
 tail, 2 threads took 2.5-4.5x as long as 1), and at once when the rows it
@@ -69,9 +69,14 @@ class ThreadChoice:
         if self.offered == 1:
             return 1
         if self.ratio is None or rows >= 2 * self._ratio_rows:
-            # Unmeasured, or measured at half the rows or fewer: this count, then the other one.
+            # Unmeasured, or measured at half the rows or fewer: one thread, then all it is
+            # offered. One first: a bucket's first iteration holds back the run's first
+            # result, and the other cores are busy then (trial actors start, other buckets
+            # train). Measured through Tune on the 2-core machine (one evening's runs, 16
+            # width-64 MLP members): first iterations took 0.36-1.46 s on one thread (72
+            # of them) and 1.16-3.23 s on two (39).
             last = self._last
-            return 1 if last is not None and last[0] == self.offered and _alike(last[1], rows) else self.offered
+            return self.offered if last is not None and last[0] == 1 and _alike(last[1], rows) else 1
         faster = self.offered if self.ratio <= self.gain else 1
         if self._age >= self.reprobe_after * self._backoff or (faster != 1 and self._strikes >= _STRIKES):
             return 1 if faster == self.offered else self.offered
