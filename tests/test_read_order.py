@@ -145,3 +145,16 @@ def test_reads_go_in_any_order_at_the_last_iteration():
     book, _ = waiting_at_1({"m0": 0.1, "m1": 0.9}, Plan(run_ahead=2, budget=1, speculate=True, metric="val_loss",
                                                         sign=1.0))
     assert book.deliver("m0").iteration == 1
+
+
+def test_results_a_failed_member_fetched_are_replayed_unordered_and_the_replay_ends():
+    # The replay of a failed member's fetched results delivered them ordered: held
+    # behind a waiting rival, read_to looped for good.
+    import threading
+
+    book, _ = waiting_at_1({"m0": 0.1, "m1": 0.9})  # m0 is the lowest, m1 waits
+    book.fail("m0", RuntimeError("its model broke"))
+    replay = threading.Thread(target=book.read_to, args=("m0", 1), daemon=True)
+    replay.start()
+    replay.join(timeout=5)
+    assert not replay.is_alive() and book.get("m0").taken == 1

@@ -433,7 +433,7 @@ class MemberBook:
                 # Its results computed before it failed were read (its trial hears
                 # the error at its next fetch); ask would raise that error here.
                 record.asked = max(record.asked, record.taken + 1)
-                self.deliver(member)
+                self.deliver(member, ordered=False)
             elif self.ask(member, ordered=False) is None:
                 break
 
