@@ -48,6 +48,22 @@ from chorus_tune.unfused import warm_torch_optim  # noqa: E402
 
 warm_torch_optim()
 
+
+
+@pytest.fixture(autouse=True)
+def _buckets_whatever_fusing_gains(monkeypatch):
+    """Every ChorusTrainable a test makes without ``solo_below`` keeps its members
+    in buckets, whatever fusing them would gain (``solo_below=None``). Why: the
+    pool decides by timing a few fused steps against steps alone
+    (rules/fusion_verdicts.py), and on this shared, busy machine a burst of
+    load could move a test's members into solo trials, which the tests of
+    anything else do not expect. The rule's own tests (test_fusion_*.py,
+    test_solo_ray.py) set it, and the examples, run as scripts, keep the default."""
+    from chorus_tune.tune.trial.trainable import ChorusTrainable
+
+    monkeypatch.setattr(ChorusTrainable, "solo_below", None)
+
+
 _SHARED: dict[str, str | None] = {"gcs_address": None}
 FREE_WAIT_S = 30.0
 

@@ -170,3 +170,24 @@ def test_where_the_pool_has_not_loaded_a_tasks_data_the_first_process_offers_it_
     first = ray.get(_load_in_a_process.remote(blob, "offered-task"))
     second = ray.get(_load_in_a_process.remote(blob, "offered-task"))
     assert first == second and counter.read_text().count("loaded") == 1
+
+
+# One structure of three trials: they would share a bucket.
+TOGETHER = {"lr": tune.grid_search([0.02, 0.05, 0.1]), "momentum": 0.5}
+
+
+def test_a_structure_measured_to_gain_too_little_trains_solo_as_the_reference_does(tmp_path):
+    # No structure gains a thousandfold: the pool's measurement sends all three solo.
+    task, results, stats = _sweep(tmp_path, TOGETHER, 3, solo_below=1000.0)
+    for result in results:
+        frame = result.metrics_dataframe
+        assert frame[rk.SOLO].all() and (frame[rk.LIVE] == 1).all()
+        ref, _ = reference.train(task, dict(result.config), result.metrics[rk.SEED], ITERATIONS)
+        assert history(result) == pytest.approx([h["val_loss"] for h in ref], rel=1e-5, abs=1e-6)
+    assert len(stats) == 3 and all(entry["solo"] for entry in stats.values())
+
+
+def test_a_structure_that_gains_enough_shares_a_bucket(tmp_path):
+    task, results, stats = _sweep(tmp_path, TOGETHER, 3, solo_below=1e-6)
+    assert not any(result.metrics.get(rk.SOLO) for result in results)
+    assert len(stats) == 1 and not next(iter(stats.values()))["solo"]

@@ -39,6 +39,7 @@ from chorus_tune.tune.observe.actor_log import log_to_actor_stdout
 from chorus_tune.tune.rules.actor_reuse import ActorReuse
 from chorus_tune.tune.rules.bucket_history import BucketHistory
 from chorus_tune.tune.rules.closing import Watches
+from chorus_tune.tune.rules.fusion_verdicts import FusionVerdicts
 from chorus_tune.tune.rules.grouping import GroupKey, split_from, width_device
 from chorus_tune.tune.rules.leaving import Leaving
 from chorus_tune.tune.rules.placement import Placed, Placement, Update
@@ -113,6 +114,7 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         self.key_info: dict[GroupKey, GroupKey] = {}
         self.clients: dict[str, str | None] = {}  # trial or member -> its trial actor's id (liveness.py)
         self.history = BucketHistory()
+        self.fusion = FusionVerdicts()  # structures measured to gain too little fused train solo
         self.seats = SeatBook()  # seated members, those that cannot be built, and each member's home bucket
         self.readers = Readers()  # trial id -> the member it reads (or the seated one it is bound to)
         self.actor_reuse = ActorReuse()  # whether Tune starts a process for every trial (said once a run)
@@ -331,6 +333,13 @@ def _log_size(key: GroupKey, done: asyncio.Future) -> None:
 def _preload_torch() -> None:
     try:
         import chorus_tune.task  # noqa: F401  (imports torch)
+
+        if pool_preloads(ray.cluster_resources()):
+            # Where the pool measures what fusing gains (rules/fusion_verdicts.py), its first
+            # unfused step would import torch._dynamo on the first seat's path (about 1 s).
+            from chorus_tune.unfused import warm_torch_optim
+
+            warm_torch_optim()
     except Exception:  # noqa: BLE001 - only a head start: the real import reports any error
         pass
 

@@ -8,7 +8,9 @@ import asyncio
 import logging
 
 import ray
+import ray.cloudpickle as cloudpickle
 
+from chorus_tune.tune.rules.grouping import GroupKey
 from chorus_tune.tune.rules.solo import lone_members, may_train_solo, solo_key
 from chorus_tune.tune.values.options import BucketOptions, Join
 from chorus_tune.tune.values.plan import Plan
@@ -57,9 +59,15 @@ class Seating:
                 continue
             keyed.append((member, config, seed, key, size))
         # Decided over the whole seating, before any is placed: members seated
-        # together are the ones that would share a bucket (rules/solo.py).
-        solo = (lone_members([(m, k) for m, _, _, k, _ in keyed], self._key_in_pool)
-                if may_train_solo(ray.cluster_resources(), options) else set())
+        # together are the ones that would share a bucket (rules/solo.py), unless
+        # fusing them was measured not to pay here (rules/fusion_verdicts.py).
+        solo: set[str] = set()
+        if may_train_solo(ray.cluster_resources(), options):
+            if options.solo_below is not None:
+                await self._measure_fusion(task_id_, [(k, c, s) for _, c, s, k, _ in keyed],
+                                           {k: size for *_, k, size in keyed})
+            solo = lone_members([(m, k) for m, _, _, k, _ in keyed], self._key_in_pool) | {
+                m for m, _, _, k, _ in keyed if self.fusion.trains_solo(k, options.solo_below)}
         for member, config, seed, key, size in keyed:
             self.seats.seat(member, Join(config=dict(config), seed=int(seed), plan=plan))
             placed = self._request(member, solo_key(key, member), 1) if member in solo else self._request(
@@ -72,6 +80,26 @@ class Seating:
         # placement in their own first step, in parallel with it.
         self._realize_all(placements)
         return out
+
+    async def _measure_fusion(self, task_id_: str, seating: list[tuple[GroupKey, dict, int]],
+                              capacity: dict[GroupKey, int]) -> None:
+        """Measure how much each structure of ``seating`` not measured yet gains
+        fused in buckets of ``capacity[key]`` slots (rules/fusion_verdicts.py), off the event
+        loop, one after another; say what each one's members do about it."""
+        samples = self.fusion.to_measure(seating, capacity)
+        if not samples:
+            return
+        from chorus_tune.fusion_gain import measure_fusion_gain
+
+        loop = asyncio.get_running_loop()
+        task = cloudpickle.loads(self.blobs[task_id_])  # a copy: the pool's own task holds no data
+        refs = await self.data.get(task_id_, ray.get_runtime_context().get_node_id())
+        if refs:
+            task._loaded = await refs[0]
+        for key, sample in samples.items():
+            gain = await loop.run_in_executor(None, measure_fusion_gain, task, sample)
+            self.fusion.judge(key, gain)
+            _say_verdict(key, task, sample[0][0], gain, self.fusion.trains_solo(key, key.options.solo_below))
 
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
         """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
@@ -244,3 +272,14 @@ class Seating:
         counts = self._stops.elsewhere(name)
         if counts is not None and name in self.handles:
             self.handles[name].stops_elsewhere.remote(*counts)
+
+
+def _say_verdict(key: GroupKey, task, config: dict, gain, solo: bool) -> None:
+    what = f"structure {key.model_name} (batch size {task.batch_size_for(config)})"
+    if gain is None:
+        logger.info("pool: %s: how much fusing it gains could not be measured; its members share buckets", what)
+    elif solo:
+        logger.warning("pool: %s: %s, below solo_below=%s: each of its trials trains its member in its own "
+                       "process, as plain Tune would (chorus/solo)", what, gain.describe(), key.options.solo_below)
+    else:
+        logger.info("pool: %s: %s: its members share buckets", what, gain.describe())

@@ -95,7 +95,7 @@ class ChorusTrainable(Trainable):
     ``ahead_memory_mb``, ``gather_s``, ``result_timeout_s``,
     ``reap_interval_s``, ``idle_close_s``, ``max_buckets``, ``compact``,
     ``compact_after_s``, ``regroup``, ``max_bucket_size``, ``memory_fraction``, ``solo``,
-    ``memory_meter`` (``bucket_size="auto"``: see :class:`BucketOptions`).
+    ``solo_below``, ``memory_meter`` (``bucket_size="auto"``: see :class:`BucketOptions`).
 
     Every result carries the member's metrics (``train_loss``, ``val_loss``,
     ``val_accuracy``, ``iteration``) and the ``chorus/*`` fields of
@@ -127,6 +127,7 @@ class ChorusTrainable(Trainable):
     max_bucket_size: int | None = BucketOptions.max_bucket_size
     memory_fraction: float = BucketOptions.memory_fraction
     solo: bool = BucketOptions.solo
+    solo_below: float | None = BucketOptions.solo_below
     memory_meter: Any = None
 
     # False: one call to the bucket per result, as before results were fetched

@@ -62,6 +62,12 @@ class BucketOptions:
     member of its structure beside it trains in its trial's own process, as
     plain Tune would train it, instead of in a bucket of its own
     (:mod:`chorus_tune.tune.rules.solo`); ``False``: it opens a bucket.
+    ``solo_below``: there too (and with ``solo``), the pool measures once per
+    structure how much faster its members train fused than alone, and a
+    structure that gains less than this factor trains solo, every member in
+    its trial's own process, and says so in the pool's log
+    (:mod:`chorus_tune.tune.rules.fusion_verdicts`); ``None``: never measured,
+    every structure shares buckets.
     """
 
     bucket_size: int | str = DEFAULT_BUCKET_SIZE
@@ -82,6 +88,7 @@ class BucketOptions:
     max_bucket_size: int | None = None
     memory_fraction: float = 0.8
     solo: bool = True
+    solo_below: float | None = 1.3
     memory_meter: Callable[[Any], Any] | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +105,8 @@ class BucketOptions:
             raise ValueError(f"run_ahead must be 0 or more; got {self.run_ahead}")
         if self.max_iterations is not None and self.max_iterations < 1:
             raise ValueError(f"max_iterations must be positive; got {self.max_iterations}")
+        if self.solo_below is not None and not self.solo_below > 0:
+            raise ValueError(f"solo_below must be a positive factor or None; got {self.solo_below!r}")
         if self.ahead_memory_mb <= 0:
             raise ValueError(f"ahead_memory_mb must be positive; got {self.ahead_memory_mb}")
 

@@ -1,0 +1,70 @@
+"""Which structures train solo because fusing them measured too small a gain (Ray-free; docs/design.md D2,
+"Solo where fusing does not pay").
+
+On a CPU, where buckets share the machine's cores (:func:`~.solo.may_train_solo`),
+the pool measures once per structure how much faster a member trains fused
+than alone (:func:`chorus_tune.fusion_gain.measure_fusion_gain`), on the first
+members of it seated together (two or more; a lone one trains solo anyway).
+Below the run's ``solo_below`` (``BucketOptions``), every member of that
+structure trains solo, in its trial's own process, as plain Tune would train
+it, now and in later seatings; at or above it, or where it could not be
+measured, they share buckets as before. A verdict is kept for the pool's
+life: the structure, the device and the machine do not change under it.
+
+Why a floor of 1.3 by default: measured on the 2-core machine (K=8, 4 steps),
+a width-64 MLP gained 2.0-2.9x, one of width 256 1.1-1.8x, the PyTorch
+tutorial's CNN 1.5-1.6x at batch 2, 1.1-1.3x at 4 and 0.7-1.0x at 8 and 16,
+and the ConvNet of Ray's ``mnist_pytorch.py`` 1.0x. Trained solo, the
+tutorial's 64 trials ran at 0.90x plain Tune against 0.49x fused and the
+mnist port at 1.04x against 0.69x, while the MLP's FIFO sweep ran at 0.97x
+solo against 2.02x fused (docs/benchmarks.md, Stop 64).
+"""
+from __future__ import annotations
+
+from typing import Any, Hashable, Iterable, Mapping
+
+# Members of a structure a measurement trains fused (at most): enough to see
+# what a bucket gains, few enough to keep the seat that waits for it short.
+PROBE_MEMBERS = 8
+
+
+class FusionVerdicts:
+    """Per structure key: the gain measured, and whether its members train solo."""
+
+    def __init__(self) -> None:
+        self._gains: dict[Hashable, Any] = {}  # key -> FusionGain, or None (not measurable)
+
+    def to_measure(self, seating: Iterable[tuple[Hashable, dict, int]],
+                   capacity: Mapping[Hashable, int]) -> dict[Hashable, list[tuple[dict, int]]]:
+        """The keys of ``seating`` (``(key, config, seed)`` per member, in seat
+        order) not judged yet that two members or more of it share: for each,
+        the ``(config, seed)`` of its first members, as many as would share one
+        of its buckets (``capacity[key]`` slots; :data:`PROBE_MEMBERS` at most).
+
+        As many as would share one, not more: what fusing gains grows with the
+        members fused (a width-64 digits MLP, 2-core CPU: 1.0-1.2x at 2, 1.4x
+        at 3, 2.2-2.3x at 6), and two members of a structure that the run
+        seats alone gain too little to pay for a bucket."""
+        samples: dict[Hashable, list[tuple[dict, int]]] = {}
+        for key, config, seed in seating:
+            if key not in self._gains:
+                samples.setdefault(key, []).append((config, seed))
+        out = {}
+        for key, sample in samples.items():
+            most = min(PROBE_MEMBERS, capacity[key], len(sample))
+            if most >= 2:
+                out[key] = sample[:most]
+        return out
+
+    def judge(self, key: Hashable, gain: Any) -> None:
+        """Record what measuring ``key`` gave (a ``FusionGain``, or ``None``)."""
+        self._gains[key] = gain
+
+    def trains_solo(self, key: Hashable, floor: float | None) -> bool:
+        """Whether members of ``key`` train solo: its gain was measured, below ``floor``."""
+        gain = self._gains.get(key)
+        return floor is not None and gain is not None and gain.ratio < floor
+
+    def gain(self, key: Hashable) -> Any:
+        """The gain measured for ``key`` (``None``: not measured, or not measurable)."""
+        return self._gains.get(key)

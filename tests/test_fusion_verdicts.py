@@ -1,0 +1,69 @@
+"""Which structures train solo because fusing them measured too small a gain
+(chorus_tune/tune/rules/fusion_verdicts.py; Ray-free)."""
+from __future__ import annotations
+
+from chorus_tune.fusion_gain import FusionGain
+from chorus_tune.tune.rules.fusion_verdicts import PROBE_MEMBERS, FusionVerdicts
+
+
+def _gain(ratio: float) -> FusionGain:
+    return FusionGain(members=4, steps=4, fused_s=4.0 / ratio, own_s=1.0, route="vmap")
+
+
+def test_structures_that_two_members_or_more_share_are_measured_on_their_first_members():
+    seating = [("a", {"lr": i}, i) for i in range(12)] + [("b", {"lr": 0}, 0)] + [("c", {}, 1), ("c", {}, 2)]
+    samples = FusionVerdicts().to_measure(seating, {"a": 16, "b": 16, "c": 16})
+    assert set(samples) == {"a", "c"}  # b sits alone: it trains solo anyway
+    assert samples["a"] == [({"lr": i}, i) for i in range(PROBE_MEMBERS)]
+    assert samples["c"] == [({}, 1), ({}, 2)]
+
+
+def test_no_more_members_are_measured_than_would_share_a_bucket():
+    seating = [("a", {"lr": i}, i) for i in range(12)]
+    assert FusionVerdicts().to_measure(seating, {"a": 3})["a"] == [({"lr": i}, i) for i in range(3)]
+    assert FusionVerdicts().to_measure(seating, {"a": 1}) == {}  # buckets of one fuse nothing
+
+
+def test_a_structure_is_measured_once():
+    verdicts = FusionVerdicts()
+    verdicts.judge("a", _gain(2.0))
+    assert verdicts.to_measure([("a", {}, 0), ("a", {}, 1)], {"a": 16}) == {}
+
+
+def test_a_structure_that_gains_less_than_the_floor_trains_solo():
+    verdicts = FusionVerdicts()
+    verdicts.judge("slow", _gain(1.1))
+    verdicts.judge("fast", _gain(2.5))
+    assert verdicts.trains_solo("slow", 1.3)
+    assert not verdicts.trains_solo("fast", 1.3)
+
+
+def test_a_gain_at_the_floor_shares_buckets():
+    verdicts = FusionVerdicts()
+    verdicts.judge("a", _gain(1.3))
+    assert not verdicts.trains_solo("a", 1.3)
+
+
+def test_a_structure_not_measured_or_not_measurable_shares_buckets():
+    verdicts = FusionVerdicts()
+    verdicts.judge("dataset", None)
+    assert not verdicts.trains_solo("dataset", 1.3)
+    assert not verdicts.trains_solo("never seen", 1.3)
+
+
+def test_no_floor_means_no_structure_trains_solo_for_its_gain():
+    verdicts = FusionVerdicts()
+    verdicts.judge("slow", _gain(0.5))
+    assert not verdicts.trains_solo("slow", None)
+
+
+def test_solo_below_is_a_positive_factor_or_none():
+    import pytest
+
+    from chorus_tune.tune.values.options import BucketOptions
+
+    assert BucketOptions(solo_below=None).solo_below is None
+    assert BucketOptions().solo_below == 1.3
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="solo_below"):
+            BucketOptions(solo_below=bad)
