@@ -67,3 +67,32 @@ def test_solo_below_is_a_positive_factor_or_none():
     for bad in (0, -1.0):
         with pytest.raises(ValueError, match="solo_below"):
             BucketOptions(solo_below=bad)
+
+
+def test_a_seating_trains_solo_only_where_every_structure_measured_gains_too_little():
+    verdicts = FusionVerdicts()
+    verdicts.judge("cnn b4", _gain(0.9))
+    verdicts.judge("cnn b16", _gain(0.7))
+    # "lone": one member in the seating, never measured; it trains solo anyway (rules/solo.py).
+    assert verdicts.solo_keys({"cnn b4", "cnn b16", "lone"}, 1.3) == {"cnn b4", "cnn b16"}
+
+
+def test_one_structure_that_gains_enough_keeps_every_structure_of_its_seating_in_buckets():
+    verdicts = FusionVerdicts()
+    verdicts.judge("w64", _gain(3.0))
+    verdicts.judge("w256", _gain(1.2))
+    assert verdicts.solo_keys({"w64", "w256"}, 1.3) == set()
+
+
+def test_a_structure_that_could_not_be_measured_keeps_its_seating_in_buckets():
+    verdicts = FusionVerdicts()
+    verdicts.judge("slow", _gain(0.8))
+    verdicts.judge("dataset", None)
+    assert verdicts.solo_keys({"slow", "dataset"}, 1.3) == set()
+
+
+def test_a_seating_with_nothing_measured_sends_nothing_solo():
+    assert FusionVerdicts().solo_keys({"lone"}, 1.3) == set()
+    verdicts = FusionVerdicts()
+    verdicts.judge("slow", _gain(0.8))
+    assert verdicts.solo_keys({"slow"}, None) == set()

@@ -66,8 +66,9 @@ class Seating:
             if options.solo_below is not None:
                 await self._measure_fusion(task_id_, [(k, c, s) for _, c, s, k, _ in keyed],
                                            {k: size for *_, k, size in keyed})
+            slow = self.fusion.solo_keys({k for *_, k, _ in keyed}, options.solo_below)
             solo = lone_members([(m, k) for m, _, _, k, _ in keyed], self._key_in_pool) | {
-                m for m, _, _, k, _ in keyed if self.fusion.trains_solo(k, options.solo_below)}
+                m for m, _, _, k, _ in keyed if k in slow}
         for member, config, seed, key, size in keyed:
             self.seats.seat(member, Join(config=dict(config), seed=int(seed), plan=plan))
             placed = self._request(member, solo_key(key, member), 1) if member in solo else self._request(
@@ -99,7 +100,15 @@ class Seating:
         for key, sample in samples.items():
             gain = await loop.run_in_executor(None, measure_fusion_gain, task, sample)
             self.fusion.judge(key, gain)
-            _say_verdict(key, task, sample[0][0], gain, self.fusion.trains_solo(key, key.options.solo_below))
+            _say_gain(key, task, sample[0][0], gain)
+        slow = self.fusion.solo_keys(samples, next(iter(samples)).options.solo_below)
+        if slow:
+            logger.warning("pool: fusing gains less than solo_below=%s for every structure measured (%d): "
+                           "each of their trials trains its member in its own process, as plain Tune "
+                           "would (chorus/solo)", next(iter(samples)).options.solo_below, len(slow))
+        elif any(self.fusion.trains_solo(key, key.options.solo_below) for key in samples):
+            logger.info("pool: fusing gains less than solo_below for some structures only: all share "
+                        "buckets (rules/fusion_verdicts.py, FusionVerdicts.solo_keys)")
 
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
         """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
@@ -274,12 +283,10 @@ class Seating:
             self.handles[name].stops_elsewhere.remote(*counts)
 
 
-def _say_verdict(key: GroupKey, task, config: dict, gain, solo: bool) -> None:
+def _say_gain(key: GroupKey, task, config: dict, gain) -> None:
     what = f"structure {key.model_name} (batch size {task.batch_size_for(config)})"
     if gain is None:
-        logger.info("pool: %s: how much fusing it gains could not be measured; its members share buckets", what)
-    elif solo:
-        logger.warning("pool: %s: %s, below solo_below=%s: each of its trials trains its member in its own "
-                       "process, as plain Tune would (chorus/solo)", what, gain.describe(), key.options.solo_below)
+        logger.info("pool: %s: how much fusing it gains could not be measured", what)
     else:
-        logger.info("pool: %s: %s: its members share buckets", what, gain.describe())
+        level = logging.WARNING if gain.ratio < key.options.solo_below else logging.INFO
+        logger.log(level, "pool: %s: %s (solo_below=%s)", what, gain.describe(), key.options.solo_below)

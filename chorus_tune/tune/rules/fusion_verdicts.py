@@ -5,10 +5,11 @@ On a CPU, where buckets share the machine's cores (:func:`~.solo.may_train_solo`
 the pool measures once per structure how much faster a member trains fused
 than alone (:func:`chorus_tune.fusion_gain.measure_fusion_gain`), on the first
 members of it seated together (two or more; a lone one trains solo anyway).
-Below the run's ``solo_below`` (``BucketOptions``), every member of that
-structure trains solo, in its trial's own process, as plain Tune would train
-it, now and in later seatings; at or above it, or where it could not be
-measured, they share buckets as before. A verdict is kept for the pool's
+Where every structure measured in a seating gains less than the run's
+``solo_below`` (``BucketOptions``), every member of them trains solo, in its
+trial's own process, as plain Tune would train it (:meth:`FusionVerdicts.solo_keys`
+says why all or none); where one gains more, or could not be measured, they
+share buckets as before. A verdict is kept for the pool's
 life: the structure, the device and the machine do not change under it.
 
 Why a floor of 1.3 by default: measured on the 2-core machine (K=8, 4 steps),
@@ -61,9 +62,26 @@ class FusionVerdicts:
         self._gains[key] = gain
 
     def trains_solo(self, key: Hashable, floor: float | None) -> bool:
-        """Whether members of ``key`` train solo: its gain was measured, below ``floor``."""
+        """Whether fusing ``key`` gains too little: its gain was measured, below ``floor``."""
         gain = self._gains.get(key)
         return floor is not None and gain is not None and gain.ratio < floor
+
+    def solo_keys(self, keys: Iterable[Hashable], floor: float | None) -> set[Hashable]:
+        """The keys of one seating whose members train solo: every key of it
+        that was measured (a key seen with one member only trains solo anyway),
+        where each of them gains too little (:meth:`trains_solo`) and at least
+        one was measured; else none.
+
+        All or none: a structure sent solo beside others that share buckets
+        trains in places of the same budget, one solo trial per place, while
+        the buckets hold the others. Measured on the 4-width sweep (FIFO, 32
+        trials, 2 cores): its width-256 group measured 1.29x and went solo
+        while the narrower widths shared buckets, and the sweep ran at 0.70x
+        plain Tune against 0.99-1.16x with every width in buckets."""
+        measured = {key for key in keys if key in self._gains}
+        if measured and all(self.trains_solo(key, floor) for key in measured):
+            return measured
+        return set()
 
     def gain(self, key: Hashable) -> Any:
         """The gain measured for ``key`` (``None``: not measured, or not measurable)."""

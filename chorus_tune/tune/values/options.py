@@ -63,11 +63,11 @@ class BucketOptions:
     plain Tune would train it, instead of in a bucket of its own
     (:mod:`chorus_tune.tune.rules.solo`); ``False``: it opens a bucket.
     ``solo_below``: there too (and with ``solo``), the pool measures once per
-    structure how much faster its members train fused than alone, and a
-    structure that gains less than this factor trains solo, every member in
-    its trial's own process, and says so in the pool's log
-    (:mod:`chorus_tune.tune.rules.fusion_verdicts`); ``None``: never measured,
-    every structure shares buckets.
+    structure how much faster its members train fused than alone, and where
+    every structure measured in a seating gains less than this factor, their
+    members train solo, each in its trial's own process, and the pool's log
+    says so (:mod:`chorus_tune.tune.rules.fusion_verdicts`); ``None``: never
+    measured, every structure shares buckets.
     """
 
     bucket_size: int | str = DEFAULT_BUCKET_SIZE
