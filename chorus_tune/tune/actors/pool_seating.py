@@ -97,10 +97,14 @@ class Seating:
         refs = await self.data.get(task_id_, ray.get_runtime_context().get_node_id())
         if refs:
             task._loaded = await refs[0]
-        for key, sample in samples.items():
+        # The largest structure first, and no further once one gains enough: the
+        # seating then shares buckets whatever the others gain (all or none).
+        for key, sample in sorted(samples.items(), key=lambda item: -len(item[1])):
             gain = await loop.run_in_executor(None, measure_fusion_gain, task, sample)
             self.fusion.judge(key, gain)
             _say_gain(key, task, sample[0][0], gain)
+            if not self.fusion.trains_solo(key, key.options.solo_below):
+                break
         slow = self.fusion.solo_keys(samples, next(iter(samples)).options.solo_below)
         if slow:
             logger.warning("pool: fusing gains less than solo_below=%s for every structure measured (%d): "
