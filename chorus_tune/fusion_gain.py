@@ -35,6 +35,12 @@ __all__ = ["FusionGain", "measure_fusion_gain"]
 # Warm-up iterations at most before the fused iteration is timed: the route
 # probe times its candidates on training's first steps (docs/design.md D8).
 _MAX_WARMUP = 4
+# A step alone slower than this is bound by its arithmetic: fusing saves a step's
+# fixed costs (Python, dispatch, the optimizer's passes: 0.4-0.9 ms a step for
+# the MLPs and CNNs measured here), a few per cent of it at most. The probe then
+# keeps to two members and one step, so that it stays a few of the model's
+# steps long (8 members x 4 steps x 3 of a ResNet's 1 s steps would be 96 s).
+COMPUTE_BOUND_STEP_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,13 @@ def measure_fusion_gain(task: Task, members: Sequence[tuple[dict, int]], steps: 
             return None
         warm_torch_optim()  # a process's first torch.optim step imports torch._dynamo: not the step's cost
         own = UnfusedMember(probe, members[0][0], members[0][1], device=device)
-        own.run_iteration()
+        if _timed(own.run_iteration) / probe.iteration_steps > COMPUTE_BOUND_STEP_S:
+            # A model whose step alone takes this long is bound by its arithmetic,
+            # which fusing does not save: two members for one step show what is
+            # left, in a few of its steps rather than K x steps x 3 of them.
+            members, probe = members[:2], _probe_task(task, members[0][0], 1)
+            own = UnfusedMember(probe, members[0][0], members[0][1], device=device)
+            own.run_iteration()
         for route in _routes(probe, members, device):
             try:
                 bucket = _warm_bucket(probe, members, device, route)

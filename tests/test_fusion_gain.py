@@ -5,13 +5,15 @@ No test asserts a speed: the machines are shared. They say what is measured, on 
 and that nothing of the task changes."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
 import chorus_tune as ct
-from chorus_tune.fusion_gain import FusionGain, measure_fusion_gain
+from chorus_tune.fusion_gain import COMPUTE_BOUND_STEP_S, FusionGain, measure_fusion_gain
 
 from models import digits, mlp
 
@@ -106,3 +108,21 @@ def test_a_model_that_cannot_be_built_is_not_measured():
         raise RuntimeError("no such layer")
 
     assert measure_fusion_gain(_task(broken), MEMBERS) is None
+
+
+class _SlowStep(nn.Module):
+    """A step that takes longer than the compute-bound limit, whatever the machine."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        time.sleep(COMPUTE_BOUND_STEP_S * 1.2)
+        return self.fc(x)
+
+
+def test_a_model_bound_by_its_step_is_measured_on_two_members_for_one_step():
+    members = [({"lr": 0.05}, i) for i in range(8)]
+    gain = measure_fusion_gain(_task(lambda config: _SlowStep()), members, steps=4, repeats=1)
+    assert gain is not None and (gain.members, gain.steps) == (2, 1)
