@@ -25,15 +25,15 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 ITERATIONS = 3
 
 
-def _sweep(tmp_path, space, trials, **options):
+def _sweep(tmp_path, space, trials, reuse_actors=True, iterations=ITERATIONS, **options):
     task = digits_task()
     trainable = ChorusTrainable.for_task(task, bucket_size=4, **options)
     before = set(bucket_stats())
     results = tune.Tuner(
         trainable, param_space=space,
-        tune_config=tune.TuneConfig(metric="val_loss", mode="min", reuse_actors=True, num_samples=trials,
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", reuse_actors=reuse_actors, num_samples=trials,
                                     search_alg=ChorusSearch(task=trainable, random_state=0)),
-        run_config=run_config(tmp_path, ITERATIONS),
+        run_config=run_config(tmp_path, iterations),
     ).fit()
     assert not results.errors
     stats = {name: entry for name, entry in bucket_stats().items() if name not in before}
@@ -191,3 +191,16 @@ def test_a_structure_that_gains_enough_shares_a_bucket(tmp_path):
     task, results, stats = _sweep(tmp_path, TOGETHER, 3, solo_below=1e-6)
     assert not any(result.metrics.get(rk.SOLO) for result in results)
     assert len(stats) == 1 and not next(iter(stats.values()))["solo"]
+
+
+def test_where_tune_starts_a_process_per_trial_members_sent_solo_for_their_gain_go_back_to_buckets(tmp_path):
+    # reuse_actors off: once the run's first 8 trials each came from a process of their
+    # own, the members no trial reads yet leave their solo places for a bucket (a solo
+    # trial would import torch in every process), and train there exactly as asked.
+    space = {"lr": tune.grid_search([0.01 * (i + 1) for i in range(12)]), "momentum": 0.5}
+    task, results, _ = _sweep(tmp_path, space, 12, reuse_actors=False, iterations=2, solo_below=1000.0)
+    solo = [bool(result.metrics.get(rk.SOLO)) for result in results]
+    assert any(solo) and not all(solo)
+    for result in results:
+        ref, _ = reference.train(task, dict(result.config), result.metrics[rk.SEED], 2)
+        assert history(result) == pytest.approx([h["val_loss"] for h in ref], rel=1e-5, abs=1e-6)

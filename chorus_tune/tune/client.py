@@ -124,6 +124,11 @@ def bind(trial_id: str, candidates: list[str]) -> str | None:
     return call_pool("bind", trial_id, candidates)
 
 
+def trains_solo(member: str) -> bool:
+    """Whether seated ``member`` trains solo (in its trial's process) now."""
+    return bool(call_pool("trains_solo", member))
+
+
 def bind_again(bindings: dict[str, str]) -> None:
     """After a restore: bind each trial to its member again; a member whose
     trial restarted meanwhile and reads a member of its own leaves."""

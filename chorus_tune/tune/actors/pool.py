@@ -115,6 +115,9 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         self.clients: dict[str, str | None] = {}  # trial or member -> its trial actor's id (liveness.py)
         self.history = BucketHistory()
         self.fusion = FusionVerdicts()  # structures measured to gain too little fused train solo
+        # members sent solo for that, not yet read -> (key, bucket size): back to buckets where
+        # Tune starts a process per trial (Seating._back_to_buckets)
+        self.solo_for_gain: dict[str, tuple[GroupKey, int]] = {}
         self.seats = SeatBook()  # seated members, those that cannot be built, and each member's home bucket
         self.readers = Readers()  # trial id -> the member it reads (or the seated one it is bound to)
         self.actor_reuse = ActorReuse()  # whether Tune starts a process for every trial (said once a run)

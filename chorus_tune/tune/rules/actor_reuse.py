@@ -31,6 +31,11 @@ class ActorReuse:
         self._said = False
 
     @property
+    def never_reused(self) -> bool:
+        """Whether this run was found to start a process for every trial (:meth:`reserved` said so)."""
+        return self._said
+
+    @property
     def trials(self) -> int:
         """How many of the run's trials have reserved so far."""
         return len(self._trials)

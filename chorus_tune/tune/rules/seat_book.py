@@ -79,6 +79,10 @@ class SeatBook:
         that asks the bucket would find no such member there)."""
         self.homes[member] = bucket
 
+    def unhouse(self, member: str) -> None:
+        """``member`` has no home until it is housed again (it moves to another place)."""
+        self.homes.pop(member, None)
+
     def home(self, member: str) -> str | None:
         return self.homes.get(member)
 

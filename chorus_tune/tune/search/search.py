@@ -401,6 +401,10 @@ class ChorusSearch(ScoutLearning, ConcurrencyLimiter):
             chosen = client.bind(trial_id, candidates)
         if chosen is None:
             chosen = candidates[0]
+        if chosen in self._solo and self.seating and not client.trains_solo(chosen):
+            # Sent back to a bucket since it was seated (the pool's _back_to_buckets):
+            # its trial holds a bucket trial's share of the cores, not a solo one's.
+            self._solo.discard(chosen)
         self._unbound = [(i, c) for i, c in self._unbound if i != chosen]
         return chosen
 
