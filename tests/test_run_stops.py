@@ -53,3 +53,16 @@ def test_a_new_run_forgets_every_count():
     stops.seen("b1", {3: 2}, {})
     stops.clear()
     assert stops.elsewhere("b2") is None
+
+
+def test_a_solo_trial_that_left_tells_every_bucket_where_tune_continued_and_stopped_it():
+    stops = RunStops()
+    stops.solo_left(read=3, finished=False)  # continued at 1 and 2, stopped at 3
+    stops.solo_left(read=1, finished=False)
+    assert stops.elsewhere("any bucket") == ({3: 1, 1: 1}, {1: 1, 2: 1})
+
+
+def test_a_solo_trial_whose_last_result_ended_it_was_not_stopped():
+    stops = RunStops()
+    stops.solo_left(read=4, finished=True)  # its cap, or a stop criterion: no decision of Tune's
+    assert stops.elsewhere("b") == ({}, {1: 1, 2: 1, 3: 1})

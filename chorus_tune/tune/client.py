@@ -190,12 +190,13 @@ def moved_to(member: str, source: str) -> Any:
     return get_pool(create=True).moved_to.remote(member, source)
 
 
-def trial_left(trial_id: str, token: int | None, read: int | None) -> None:
+def trial_left(trial_id: str, token: int | None, read: int | None, finished: bool | None = None) -> None:
     """Trial ``trial_id`` leaves its member (not waited for: leaving may wait for
-    the bucket's running iteration). A no-op when no pool runs."""
+    the bucket's running iteration). ``finished``: a solo trial's, whether its
+    last result ended its member. A no-op when no pool runs."""
     pool = get_pool(create=False)
     if pool is not None:
-        pool.trial_left.remote(trial_id, token, read)
+        pool.trial_left.remote(trial_id, token, read, finished)
 
 
 def bucket_failed(name: str, timeout_s: float) -> None:

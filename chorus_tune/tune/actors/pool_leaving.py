@@ -23,18 +23,25 @@ _SOLO_REAP_S = 1.0  # how often the pool looks for solo members whose trial acto
 class Departures:
     """Members out: leaves, finishes, failures and reaping (ChorusPool's part; see the module)."""
 
-    async def trial_left(self, trial_id: str, token: int | None = None, read: int | None = None) -> None:
+    async def trial_left(self, trial_id: str, token: int | None = None, read: int | None = None,
+                         finished: bool | None = None) -> None:
         """Trial ``trial_id`` ended (or its actor moved on): the member it read
         leaves, and the trial is bound to nothing. Idempotent. ``token``: the
         reservation's; a late call from an actor that served an earlier run of
         this trial (a restart, a restore in this job) then changes nothing.
         ``read``: the iteration of the last result the trial handed Tune (it
-        may have fetched more), for its bucket's waste and stop counts."""
+        may have fetched more), for its bucket's waste and stop counts.
+        ``finished`` (a solo trial's): whether that result ended its member;
+        its continues and stop then count for the run's buckets (RunStops.solo_left)."""
         if not self.readers.is_current(trial_id, token):
             return
         self.plans.pop(trial_id, None)
         member = self.readers.leave(trial_id)
         if member is not None:
+            if finished is not None and read and self._is_solo(self.seats.home(member) or ""):
+                self._stops.solo_left(int(read), bool(finished))
+                for name in list(self.handles):
+                    self._send_stops(name)
             await self.leave(member, read=read)
 
     async def leave(self, member: str, notify_bucket: bool = True, reason: str | None = None,

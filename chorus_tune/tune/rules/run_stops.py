@@ -10,6 +10,7 @@ from __future__ import annotations
 from chorus_tune.tune.rules.stop_record import sum_counts
 
 Counts = dict[int, int]  # iteration -> trials decided there
+SOLO_TRIALS = "solo trials"  # where the run's solo trials' counts are kept (no bucket has this name)
 
 
 class RunStops:
@@ -30,6 +31,21 @@ class RunStops:
         if not others:
             return None
         return sum_counts(c[0] for c in others), sum_counts(c[1] for c in others)
+
+    def solo_left(self, read: int, finished: bool) -> None:
+        """A solo trial (rules/solo.py) left after handing Tune ``read`` results:
+        counted as a bucket counts its trials' (StopRecord), continued at each
+        iteration before its last, and stopped at its last unless that result
+        ended it (its cap, a stop criterion). Why: the buckets of a run whose
+        first trials trained solo (sent back to buckets where Tune starts a
+        process per trial, pool_seating._back_to_buckets) otherwise saw no
+        stop, and ran their members ahead as under FIFO: Ray's
+        ``mnist_pytorch.py`` as it ships wasted 81 of 223 member-epochs so."""
+        stopped, continued = self._counts.setdefault(SOLO_TRIALS, ({}, {}))
+        for iteration in range(1, read):
+            continued[iteration] = continued.get(iteration, 0) + 1
+        if read >= 1 and not finished:
+            stopped[read] = stopped.get(read, 0) + 1
 
     def forget(self, bucket: str) -> None:
         """``bucket`` is gone: the counts it sent stop counting for the others' future news."""

@@ -63,6 +63,7 @@ class SoloRun:
             self.core = UnfusedMember(task, dict(config), state=state_io.loads(state))
         self.seed, self.route_reason = self.core.seed, RouteReason.SOLO.value
         self.iterations = 0
+        self.finished = False  # its last result ended it (the plan's budget, a stop criterion)
 
     def step(self) -> dict[str, Any]:
         metrics = self.core.run_iteration()
@@ -77,6 +78,7 @@ class SoloRun:
         budget = self.plan.budget
         if meets_stop_criteria(self.plan, result) or (budget is not None and result.get(rk.ITERATION, 0) >= budget):
             result["done"] = True
+        self.finished = bool(result.get("done"))
         return result
 
     def state(self) -> bytes:

@@ -435,6 +435,7 @@ class ChorusTrainable(Trainable):
         # Results fetched and not yet returned are dropped: Tune stopped the
         # trial, or it takes another member (reset_config, load_checkpoint).
         read = self._reads.drop()
+        finished = self._solo_run.finished if self._solo_run is not None else None
         self._solo_run = None
         member, self._member = self._member, None
         self._joined, self._seated = False, False
@@ -445,7 +446,7 @@ class ChorusTrainable(Trainable):
             # for: leaving may wait for the bucket's running iteration, and Tune
             # would hold this actor's next trial for it.
             trial, token = getattr(self, "_reserved_for", (member, None))
-            client.trial_left(trial, token, read)
+            client.trial_left(trial, token, read, finished)
         except Exception as exc:  # noqa: BLE001 - leaving must never fail a trial
             logger.warning("trial %s: leaving its bucket failed: %s", member, exc)
 
