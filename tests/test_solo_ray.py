@@ -197,10 +197,10 @@ def test_where_tune_starts_a_process_per_trial_members_sent_solo_for_their_gain_
     # reuse_actors off: once the run's first 8 trials each came from a process of their
     # own, the members no trial reads yet leave their solo places for a bucket (a solo
     # trial would import torch in every process), and train there exactly as asked.
-    space = {"lr": tune.grid_search([0.01 * (i + 1) for i in range(12)]), "momentum": 0.5}
-    task, results, _ = _sweep(tmp_path, space, 12, reuse_actors=False, iterations=2, solo_below=1000.0)
+    space = {"lr": tune.grid_search([0.01 * (i + 1) for i in range(10)]), "momentum": 0.5}
+    task, results, _ = _sweep(tmp_path, space, 10, reuse_actors=False, iterations=1, solo_below=1000.0)
     solo = [bool(result.metrics.get(rk.SOLO)) for result in results]
     assert any(solo) and not all(solo)
     for result in results:
-        ref, _ = reference.train(task, dict(result.config), result.metrics[rk.SEED], 2)
+        ref, _ = reference.train(task, dict(result.config), result.metrics[rk.SEED], 1)
         assert history(result) == pytest.approx([h["val_loss"] for h in ref], rel=1e-5, abs=1e-6)
