@@ -36,6 +36,17 @@ def tanh_mlp(config: dict) -> nn.Module:
     return nn.Sequential(nn.Linear(64, width), nn.Tanh(), nn.Linear(width, 10))
 
 
+class Branching(nn.Module):
+    """A forward that branches on a value: vmap cannot run it (nor trace it), the eager route can."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else -self.fc(x)
+
+
 class SmallCNN(nn.Module):
     def __init__(self, channels: int = 4):
         super().__init__()

@@ -13,7 +13,7 @@ from chorus_tune.batched import batched_forward, batched_linear
 from chorus_tune.configuration import lift
 
 import models
-from models import SmallCNN, digits, mlp
+from models import Branching, SmallCNN, digits, mlp
 
 RTOL = 1e-5
 
@@ -59,15 +59,6 @@ class Flattening(nn.Module):
 
     def forward(self, x):
         return self.fc(x.view(x.size(0), -1))
-
-
-class Branching(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(64, 10)
-
-    def forward(self, x):
-        return self.fc(x) if x.sum() > 0 else -self.fc(x)
 
 
 class ReadsItsWeight(nn.Module):

@@ -15,7 +15,7 @@ from torch.utils.data import TensorDataset
 import chorus_tune as ct
 from chorus_tune.fusion_gain import COMPUTE_BOUND_STEP_S, FusionGain, measure_fusion_gain
 
-from models import digits, mlp
+from models import Branching, digits, mlp
 
 MEMBERS = [({"lr": 0.05 * (i + 1), "momentum": 0.9}, i) for i in range(3)]
 
@@ -45,19 +45,8 @@ def test_a_model_the_batched_step_does_not_take_is_timed_on_vmap():
     assert gain is not None and gain.route == "vmap"
 
 
-class _DataDependent(nn.Module):
-    """A forward that branches on a value: vmap cannot run it, the eager route can."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(64, 10)
-
-    def forward(self, x):
-        return self.fc(x) if x.sum() > 0 else -self.fc(x)
-
-
 def test_a_model_vmap_cannot_run_is_timed_on_the_route_a_bucket_falls_back_to():
-    gain = measure_fusion_gain(_task(lambda config: _DataDependent()), MEMBERS, steps=2, repeats=1)
+    gain = measure_fusion_gain(_task(lambda config: Branching()), MEMBERS, steps=2, repeats=1)
     assert gain is not None and gain.route == "eager"
 
 

@@ -65,9 +65,13 @@ class Seating:
         if may_train_solo(ray.cluster_resources(), options):
             slow: set[GroupKey] = set()
             if options.solo_below is not None and not self.actor_reuse.never_reused:
-                await self._measure_fusion(task_id_, [(k, c, s) for _, c, s, k, _ in keyed],
-                                           {k: size for *_, k, size in keyed})
-                slow = self.fusion.solo_keys({k for *_, k, _ in keyed}, options.solo_below)
+                measured = await self._measure_fusion(task_id_, [(k, c, s) for _, c, s, k, _ in keyed],
+                                                      {k: size for *_, k, size in keyed})
+                keys = {k for *_, k, _ in keyed}
+                slow = self.fusion.solo_keys(keys, options.solo_below)
+                if measured:  # said once, where a structure was measured anew
+                    _say_solo(slow, any(self.fusion.trains_solo(k, options.solo_below) for k in keys),
+                              options.solo_below)
             lone = lone_members([(m, k) for m, _, _, k, _ in keyed], self._key_in_pool)
             solo = lone | {m for m, _, _, k, _ in keyed if k in slow}
             self.solo_for_gain.update({m: (k, size) for m, _, _, k, size in keyed if k in slow and m not in lone})
@@ -119,13 +123,13 @@ class Seating:
         self._realize_all(placements)
 
     async def _measure_fusion(self, task_id_: str, seating: list[tuple[GroupKey, dict, int]],
-                              capacity: dict[GroupKey, int]) -> None:
+                              capacity: dict[GroupKey, int]) -> bool:
         """Measure how much each structure of ``seating`` not measured yet gains
         fused in buckets of ``capacity[key]`` slots (rules/fusion_verdicts.py), off the event
-        loop, one after another; say what each one's members do about it."""
+        loop, one after another; say what each one gains. Whether it measured any."""
         samples = self.fusion.to_measure(seating, capacity)
         if not samples:
-            return
+            return False
         from chorus_tune.fusion_gain import measure_fusion_gain
 
         loop = asyncio.get_running_loop()
@@ -138,17 +142,11 @@ class Seating:
         for key, sample in sorted(samples.items(), key=lambda item: -len(item[1])):
             gain = await loop.run_in_executor(None, measure_fusion_gain, task, sample)
             self.fusion.judge(key, gain)
-            _say_gain(key, task, sample[0][0], gain)
-            if not self.fusion.trains_solo(key, key.options.solo_below):
+            too_little = self.fusion.trains_solo(key, key.options.solo_below)
+            _say_gain(key, task, sample[0][0], gain, too_little)
+            if not too_little:
                 break
-        slow = self.fusion.solo_keys(samples, next(iter(samples)).options.solo_below)
-        if slow:
-            logger.warning("pool: fusing gains less than solo_below=%s for every structure measured (%d): "
-                           "each of their trials trains its member in its own process, as plain Tune "
-                           "would (chorus/solo)", next(iter(samples)).options.solo_below, len(slow))
-        elif any(self.fusion.trains_solo(key, key.options.solo_below) for key in samples):
-            logger.info("pool: fusing gains less than solo_below for some structures only: all share "
-                        "buckets (rules/fusion_verdicts.py, FusionVerdicts.solo_keys)")
+        return True
 
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
         """Bind Tune's new trial to one of ``candidates`` (seated members, oldest
@@ -325,10 +323,22 @@ class Seating:
             self.handles[name].stops_elsewhere.remote(*counts)
 
 
-def _say_gain(key: GroupKey, task, config: dict, gain) -> None:
+def _say_gain(key: GroupKey, task, config: dict, gain, too_little: bool) -> None:
     what = f"structure {key.model_name} (batch size {task.batch_size_for(config)})"
     if gain is None:
         logger.info("pool: %s: how much fusing it gains could not be measured", what)
     else:
-        level = logging.WARNING if gain.ratio < key.options.solo_below else logging.INFO
-        logger.log(level, "pool: %s: %s (solo_below=%s)", what, gain.describe(), key.options.solo_below)
+        logger.log(logging.WARNING if too_little else logging.INFO, "pool: %s: %s (solo_below=%s)", what,
+                   gain.describe(), key.options.solo_below)
+
+
+def _say_solo(slow: set, some_too_little: bool, floor: float) -> None:
+    """What a seating's measured structures decided: ``slow``, those sent solo;
+    ``some_too_little``: whether any of them gains less than ``floor``."""
+    if slow:
+        logger.warning("pool: fusing gains less than solo_below=%s for every structure measured (%d): each of "
+                       "their trials trains its member in its own process, as plain Tune would (chorus/solo)",
+                       floor, len(slow))
+    elif some_too_little:
+        logger.info("pool: fusing gains less than solo_below for some structures only: all share buckets "
+                    "(rules/fusion_verdicts.py, FusionVerdicts.solo_keys)")

@@ -82,7 +82,3 @@ class FusionVerdicts:
         if measured and all(self.trains_solo(key, floor) for key in measured):
             return measured
         return set()
-
-    def gain(self, key: Hashable) -> Any:
-        """The gain measured for ``key`` (``None``: not measured, or not measurable)."""
-        return self._gains.get(key)
