@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from chorus_tune.fusion_gain import FusionGain
-from chorus_tune.tune.rules.fusion_verdicts import PROBE_MEMBERS, FusionVerdicts
+from chorus_tune.tune.rules.fusion_verdicts import PROBE_MEMBERS, FusionVerdicts, measuring_order
 
 
 def _gain(ratio: float) -> FusionGain:
@@ -96,3 +96,39 @@ def test_a_seating_with_nothing_measured_sends_nothing_solo():
     verdicts = FusionVerdicts()
     verdicts.judge("slow", _gain(0.8))
     assert verdicts.solo_keys({"slow"}, None) == set()
+
+
+# Keys of the kin tests: (model, batch size); a family is a model.
+def _family(key):
+    return key[0]
+
+
+def _batch(key):
+    return key[1]
+
+
+def test_one_structure_per_family_is_measured_the_one_with_the_smallest_batch():
+    samples = {("cnn", 16): [0] * 8, ("cnn", 2): [0] * 3, ("cnn", 4): [0] * 8}
+    ((measured, kin),) = measuring_order(samples, _family, _batch)
+    assert measured == ("cnn", 2)
+    assert set(kin) == {("cnn", 16), ("cnn", 4)}
+
+
+def test_of_a_familys_structures_at_one_batch_size_the_one_with_more_members_is_measured():
+    samples = {("cnn", 4, "narrow"): [0] * 2, ("cnn", 4, "wide"): [0] * 5}
+    ((measured, kin),) = measuring_order(samples, _family, _batch)
+    assert measured == ("cnn", 4, "wide") and kin == [("cnn", 4, "narrow")]
+
+
+def test_families_are_measured_most_members_first():
+    samples = {("mlp", 8): [0] * 2, ("cnn", 8): [0] * 2, ("cnn", 16): [0] * 2}
+    assert [measured for measured, _ in measuring_order(samples, _family, _batch)] == [("cnn", 8), ("mlp", 8)]
+
+
+def test_a_structure_judged_with_its_kin_takes_its_verdict_and_is_not_measured_again():
+    verdicts = FusionVerdicts()
+    verdicts.judge(("cnn", 2), _gain(0.9))
+    verdicts.judge_with(("cnn", 16), ("cnn", 2))
+    assert verdicts.trains_solo(("cnn", 16), 1.3)
+    assert verdicts.to_measure([(("cnn", 16), {}, 0), (("cnn", 16), {}, 1)], {("cnn", 16): 16}) == {}
+    assert verdicts.solo_keys({("cnn", 2), ("cnn", 16)}, 1.3) == {("cnn", 2), ("cnn", 16)}

@@ -10,6 +10,7 @@ import logging
 import ray
 import ray.cloudpickle as cloudpickle
 
+from chorus_tune.tune.rules.fusion_verdicts import measuring_order
 from chorus_tune.tune.rules.grouping import GroupKey
 from chorus_tune.tune.rules.solo import is_solo_key, lone_members, may_train_solo, solo_key
 from chorus_tune.tune.values.options import BucketOptions, Join
@@ -137,15 +138,26 @@ class Seating:
         refs = await self.data.get(task_id_, ray.get_runtime_context().get_node_id())
         if refs:
             task._loaded = await refs[0]
-        # The largest structure first, and no further once one gains enough: the
-        # seating then shares buckets whatever the others gain (all or none).
-        for key, sample in sorted(samples.items(), key=lambda item: -len(item[1])):
+        # One structure per family, the largest family first, and no further once
+        # one gains enough: the seating then shares buckets whatever the others
+        # gain (all or none).
+        order = measuring_order(samples, lambda key: (key.task_id, key.options, key.model_name),
+                                lambda key: task.batch_size_for(samples[key][0][0]))
+        for key, kin in order:
+            sample = samples[key]
             gain = await loop.run_in_executor(None, measure_fusion_gain, task, sample)
             self.fusion.judge(key, gain)
             too_little = self.fusion.trains_solo(key, key.options.solo_below)
             _say_gain(key, task, sample[0][0], gain, too_little)
             if not too_little:
                 break
+            for other in kin:
+                self.fusion.judge_with(other, key)
+            if kin:
+                logger.info("pool: %d more structure(s) of %s (batch sizes %s) judged with it, not measured: a "
+                            "larger batch or width gains less (rules/fusion_verdicts.py, measuring_order)",
+                            len(kin), key.model_name,
+                            sorted({task.batch_size_for(samples[k][0][0]) for k in kin}))
         return True
 
     async def bind(self, trial_id: str, candidates: list[str]) -> str | None:
