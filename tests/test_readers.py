@@ -152,3 +152,23 @@ def test_a_member_whose_trial_left_is_no_longer_read():
     readers.start("t1", "m1")
     readers.leave("t1")
     assert readers.members_read() == set()
+
+
+def test_a_trial_is_bound_to_the_oldest_seated_member_where_that_one_trains_solo():
+    # Nothing of a solo member trains ahead: its trials run in the searcher's
+    # order, as plain Tune runs the configs (a stock scheduler then sees
+    # results in plain Tune's order).
+    members = [f"m{i}" for i in range(16)]
+    readers, left, chosen = Readers(), list(members), []
+    for t in range(4):
+        chosen.append(readers.bind(f"t{t}", left, seated=among(*members), placed=among(*members),
+                                   solo=among(*members)))
+        left.remove(chosen[-1])
+    assert chosen == ["m0", "m1", "m2", "m3"]
+
+
+def test_a_bucket_member_ahead_of_solo_ones_is_still_drawn_at_random():
+    members = [f"m{i}" for i in range(16)]
+    firsts = [Readers(seed).bind("t1", members, seated=among(*members), placed=among(*members),
+                                 solo=among(*members[8:])) for seed in range(400)]
+    assert len(set(firsts)) == 16

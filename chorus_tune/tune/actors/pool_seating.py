@@ -91,6 +91,10 @@ class Seating:
 
     async def trains_solo(self, member: str) -> bool:
         """Whether ``member`` trains solo: its place, or the one it waits for, is a solo member's."""
+        return self._member_is_solo(member)
+
+    def _member_is_solo(self, member: str) -> bool:
+        """:meth:`trains_solo`, for the pool's own use."""
         if self.placement is None:
             return False
         name = self.placement.bucket_of(member)
@@ -167,7 +171,8 @@ class Seating:
         read results that exist (or soon will). Returns the member; for a
         trial that runs already, the candidate it reads, or ``None`` when it
         reads a member of its own."""
-        return self.readers.bind(trial_id, candidates, self.seats.is_seated, self.seats.is_housed, self._is_slotted)
+        return self.readers.bind(trial_id, candidates, self.seats.is_seated, self.seats.is_housed, self._is_slotted,
+                                 self._member_is_solo)
 
     def _is_slotted(self, member: str) -> bool:
         """Whether ``member`` has a slot in a bucket (housed, or its bucket still starting)."""
