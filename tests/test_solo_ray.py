@@ -144,6 +144,30 @@ def test_a_callables_data_is_loaded_once_per_sweep_and_shared_with_later_process
         assert history(result) == pytest.approx([h["val_loss"] for h in ref], rel=1e-5, abs=1e-6)
 
 
+def test_a_width_sweeps_data_is_loaded_once_by_the_pool_not_again_to_price_padding(tmp_path):
+    # Widths that differ are priced with an input row of the data (docs/design.md D9): the
+    # pool's keys and the driver's split report take it from the pool's own load.
+    from chorus_tune import Task
+    from chorus_tune.tune.client import get_pool
+
+    from models import mlp
+
+    counter = tmp_path / "loads.txt"
+    task = Task(model=mlp, data=_counted_digits(str(counter)), batch_size=64)
+    trainable = ChorusTrainable.for_task(task, bucket_size=4)
+    search = ChorusSearch(task=trainable, random_state=0)
+    results = tune.Tuner(
+        trainable, param_space={"width": tune.grid_search([16, 32]), "lr": 0.05},
+        tune_config=tune.TuneConfig(metric="val_loss", mode="min", reuse_actors=True, num_samples=2,
+                                    search_alg=search),
+        run_config=run_config(tmp_path, 1),
+    ).fit()
+    assert not results.errors and len(results) == 2
+    search.split_report.join(timeout=30)
+    pool_pid = ray.get(get_pool().__ray_call__.remote(lambda pool: __import__("os").getpid()))
+    assert counter.read_text().splitlines() == [f"loaded {pool_pid}"]
+
+
 @ray.remote(num_cpus=0)
 def _load_in_a_process(task_blob, task_id):
     import ray.cloudpickle as cloudpickle

@@ -157,6 +157,23 @@ def new_run(seated_by: str) -> None:
     get_pool(create=True).new_run.remote(seated_by)
 
 
+def learn_task(task_id: str, task_blob: bytes) -> None:
+    """Teach the pool the run's task before its first seat (not waited for): it starts loading the data."""
+    get_pool(create=True).learn_task.remote(task_id, task_blob)
+
+
+def input_row(task_id: str, task_blob: bytes, timeout_s: float = 60.0) -> Any:
+    """The first input row of the task's data, from the pool's load of it, or
+    ``None`` where the pool loads none (a machine with GPUs) or cannot answer."""
+    pool = get_pool(create=False)
+    if pool is None:
+        return None
+    try:
+        return ray.get(pool.input_row.remote(task_id, task_blob), timeout=timeout_s)
+    except Exception:  # noqa: BLE001 - the caller loads the data itself, as before
+        return None
+
+
 def announce_rungs(trial_id: str, schedule: Any) -> None:
     """ChorusASHA's rungs for trial ``trial_id`` (not waited for)."""
     get_pool(create=True).set_plan.remote(trial_id, schedule)

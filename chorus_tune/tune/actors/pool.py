@@ -170,6 +170,19 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
                 self.data.preload(task_id_, self.tasks[task_id_], task_blob)
         return True
 
+    async def learn_task(self, task_id_: str, task_blob: bytes) -> None:
+        """ChorusSearch teaches the task as Tune sets the run up, before its
+        first seat: on a machine without GPUs the pool starts loading its data
+        now (``DataCopies.preload``), which the first seat would wait for."""
+        self._learn_task(task_id_, task_blob)
+
+    async def input_row(self, task_id_: str, task_blob: bytes) -> Any:
+        """The first input row of the task's data, from the pool's own load of
+        it (waited for), or ``None`` where the pool loads none: what the
+        driver's split report prices padding with, not loading the data again."""
+        self._learn_task(task_id_, task_blob)
+        return await self.data.input_row_when_loaded(task_id_)
+
     async def shared_data(self, task_id_: str, node: str) -> list:
         """The copy of the task's loaded data made on ``node``: ``[ref]``, or ``[]`` when there is none (yet)."""
         return await self.data.get(task_id_, node)
@@ -194,7 +207,7 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
         # when a structure's widths first differ). Raises the factory's own error for a
         # bad config.
         device = width_device(resources)
-        prices = self._prices.setdefault(task_id_, PaddingPrices(task.input_row))
+        prices = self._prices.setdefault(task_id_, PaddingPrices(lambda: self._input_row(task_id_)))
         skey = sharing_key(task, config, self._width_groups.setdefault(device, WidthGroups(device_type=device)),
                            prices)
         # The class's name read off the key (its model_class is module.qualname): the model
@@ -204,6 +217,11 @@ class ChorusPool(Seating, BucketLifecycle, Departures, Regrouping, Inspection):
             _log_split(key, split_from(key, self.key_info))
         self.key_info.setdefault(key, key)
         return key
+
+    def _input_row(self, task_id_: str) -> Any:
+        """The row padding is priced with: from the pool's load of the data, else loaded for it."""
+        row = self.data.input_row(task_id_)
+        return row if row is not None else self.tasks[task_id_].input_row()
 
     def _is_solo(self, name: str) -> bool:
         """Whether ``name`` is a solo member's place in the budget, not a bucket (rules/solo.py)."""

@@ -213,6 +213,8 @@ class ChorusSearch(ScoutLearning, ConcurrencyLimiter):
             # for. It may reach the pool after the first seats (an async actor
             # does not keep the order of its calls): it spares this search's members.
             client.new_run(self._prefix)
+            if self._task_blob is not None:
+                client.learn_task(self._task_id, self._task_blob)
             run_plan.search_seats_cohorts()
         if config and self._task_blob is not None:
             from .space_split import say_how_it_splits
@@ -223,7 +225,8 @@ class ChorusSearch(ScoutLearning, ConcurrencyLimiter):
             # this call returned after 2.2-3.2 s before, 0.09 s now.
             self.split_report = threading.Thread(
                 target=say_how_it_splits, args=(self._task_blob, config, num_samples, self.bucket_size,
-                                                self._options), name="chorus-space-split", daemon=True)
+                                                self._options, self._task_id if self.seating else None),
+                name="chorus-space-split", daemon=True)
             self.split_report.start()
         return super().set_search_properties(metric, mode, config, **spec)
 

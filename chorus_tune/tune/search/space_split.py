@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 import ray.cloudpickle as cloudpickle
@@ -75,12 +75,12 @@ class SpaceSplit:
                        "each structure fuses only within itself")
 
 
-def split_of(task: Any, configs: Sequence[dict]) -> SpaceSplit:
+def split_of(task: Any, configs: Sequence[dict], input_row: Callable[[], Any] | None = None) -> SpaceSplit:
     """How ``configs`` (a sample of the run's, Tune's ``__`` keys allowed)
     split into structures for ``task``, widths priced as the pool prices them
-    (multiply-adds, with one input row of the task's data: loaded here only
-    if the sample's widths differ)."""
-    groups, prices = WidthGroups(), PaddingPrices(task.input_row)
+    (multiply-adds, with one input row of the task's data, ``input_row()``,
+    by default ``task.input_row``: asked only if the sample's widths differ)."""
+    groups, prices = WidthGroups(), PaddingPrices(input_row or task.input_row)
     keys: list[Any] = []
     built: list[dict] = []
     for config in configs:
@@ -138,15 +138,28 @@ def _distinct(values: list[Any]) -> list[Any]:
 _SPLIT_SAMPLE = 64
 
 
+def _row_from_the_pool(task: Any, task_id: str, task_blob: bytes) -> Callable[[], Any]:
+    def input_row() -> Any:
+        from chorus_tune.tune import client
+
+        row = client.input_row(task_id, task_blob)
+        return row if row is not None else task.input_row()
+
+    return input_row
+
+
 def say_how_it_splits(task_blob: bytes, config: dict, num_samples: Any, bucket_size: int,
-                      options: Any = None) -> None:
+                      options: Any = None, task_id: str | None = None) -> None:
     """Tell the user, as the run starts, how its trials fall into structures
     and what splits them (a WARNING when they do not all fuse): a width or
     batch-size sweep otherwise shows only as ``chorus/live`` 1 afterwards.
     ``options``: the run's BucketOptions, which say (with the cluster) whether
     members seated alone train in their trials' own processes (rules/solo.py).
     Read off a sample of the space drawn apart from the run's own (its draws
-    are untouched); never fails the run."""
+    are untouched); never fails the run. ``task_id``: the pool's name for the
+    task: where widths differ, padding is priced with the input row of the
+    pool's load of the data (loaded here otherwise, a second load beside the
+    run's start)."""
     try:
         from .sampler import SpaceSampler
 
@@ -154,7 +167,8 @@ def say_how_it_splits(task_blob: bytes, config: dict, num_samples: Any, bucket_s
         n = num_samples if isinstance(num_samples, int) and 0 < num_samples <= _SPLIT_SAMPLE else _SPLIT_SAMPLE
         sampler = SpaceSampler(random_state=0)
         sampler.set_search_properties(None, None, config)
-        split = split_of(task, [sampler.suggest(str(i)) for i in range(n)])
+        split = split_of(task, [sampler.suggest(str(i)) for i in range(n)],
+                         None if task_id is None else _row_from_the_pool(task, task_id, task_blob))
     except Exception:  # noqa: BLE001 - a report, not a check: the trials say what fails
         logger.debug("ChorusSearch: could not read how the space splits", exc_info=True)
         return
