@@ -41,6 +41,9 @@ _MAX_WARMUP = 4
 # keeps to two members and one step, so that it stays a few of the model's
 # steps long (8 members x 4 steps x 3 of a ResNet's 1 s steps would be 96 s).
 COMPUTE_BOUND_STEP_S = 0.05
+# A first iteration's step over this many times the limit is not timed again:
+# no cold start costs that much, and a large model's steps are seconds each.
+_CLEARLY_COMPUTE_BOUND = 10
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def measure_fusion_gain(task: Task, members: Sequence[tuple[dict, int]], steps: 
             return None
         warm_torch_optim()  # a process's first torch.optim step imports torch._dynamo: not the step's cost
         own = UnfusedMember(probe, members[0][0], members[0][1], device=device)
-        if _timed(own.run_iteration) / probe.iteration_steps > COMPUTE_BOUND_STEP_S:
+        if _step_s(own, probe.iteration_steps) > COMPUTE_BOUND_STEP_S:
             # A model whose step alone takes this long is bound by its arithmetic,
             # which fusing does not save: two members for one step show what is
             # left, in a few of its steps rather than K x steps x 3 of them.
@@ -159,6 +162,21 @@ def _probe_task(task: Task, config: dict, steps: int) -> Task | None:
     rows, val_rows = steps * batch, min(len(val), batch)
     return dataclasses.replace(task, data=(tuple(t[:rows] for t in train.tensors),
                                            tuple(t[:val_rows] for t in val.tensors)), iteration_steps=steps)
+
+
+def _step_s(own, steps: int) -> float:
+    """Seconds a step of ``own`` takes: its first iteration's, where that is
+    far over the compute-bound limit, else its second's. Not the first's
+    alone: the first pays allocations and first calls, and in the pool at a
+    run's start it shares the cores with processes starting. Measured there
+    (128 trials of a width-64 MLP, 2 cores): the first iteration's steps took
+    over 50 ms against 0.66 ms after, the MLP was probed as compute-bound on
+    two members (0.89x), and the whole run trained solo (0.95x plain Tune,
+    against 1.34x in buckets, where 8 members measure 2.8x)."""
+    first = _timed(own.run_iteration) / steps
+    if first > _CLEARLY_COMPUTE_BOUND * COMPUTE_BOUND_STEP_S:
+        return first
+    return _timed(own.run_iteration) / steps
 
 
 def _timed(run, times: int = 1) -> float:

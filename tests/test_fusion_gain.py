@@ -115,3 +115,24 @@ def test_a_model_bound_by_its_step_is_measured_on_two_members_for_one_step():
     members = [({"lr": 0.05}, i) for i in range(8)]
     gain = measure_fusion_gain(_task(lambda config: _SlowStep()), members, steps=4, repeats=1)
     assert gain is not None and (gain.members, gain.steps) == (2, 1)
+
+
+class _SlowFirstIteration(nn.Module):
+    """Slow on its first iteration's forwards only (4 steps and an evaluation), as a cold start under load is."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 10)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls <= 5:
+            time.sleep(COMPUTE_BOUND_STEP_S * 1.2)
+        return self.fc(x)
+
+
+def test_a_slow_first_iteration_alone_does_not_make_a_model_compute_bound():
+    members = [({"lr": 0.05}, i) for i in range(8)]
+    gain = measure_fusion_gain(_task(lambda config: _SlowFirstIteration()), members, steps=4, repeats=1)
+    assert gain is not None and (gain.members, gain.steps) == (8, 4)
