@@ -132,3 +132,36 @@ def test_a_structure_judged_with_its_kin_takes_its_verdict_and_is_not_measured_a
     assert verdicts.trains_solo(("cnn", 16), 1.3)
     assert verdicts.to_measure([(("cnn", 16), {}, 0), (("cnn", 16), {}, 1)], {("cnn", 16): 16}) == {}
     assert verdicts.solo_keys({("cnn", 2), ("cnn", 16)}, 1.3) == {("cnn", 2), ("cnn", 16)}
+
+
+def test_once_a_seating_of_the_run_shares_buckets_later_ones_do_whatever_they_measure():
+    verdicts = FusionVerdicts()
+    verdicts.judge("w64", _gain(2.8))
+    assert verdicts.solo_keys({"w64"}, 1.3) == set()
+    verdicts.judge("w256", _gain(1.2))  # a later seating's new structure
+    assert verdicts.solo_keys({"w256"}, 1.3) == set()
+
+
+def test_a_new_run_judges_its_seatings_afresh():
+    verdicts = FusionVerdicts()
+    verdicts.judge("w64", _gain(2.8))
+    verdicts.solo_keys({"w64"}, 1.3)
+    verdicts.new_run()
+    verdicts.judge("cnn", _gain(0.8))
+    assert verdicts.solo_keys({"cnn"}, 1.3) == {"cnn"}
+
+
+def test_a_seating_is_not_measured_where_one_of_its_structures_is_known_to_gain_enough():
+    verdicts = FusionVerdicts()
+    verdicts.judge("w64", _gain(2.8))
+    verdicts.judge("slow", _gain(0.8))
+    assert not verdicts.needs_measuring({"w64", "w128"}, 1.3)
+    assert verdicts.needs_measuring({"slow", "w128"}, 1.3)
+    assert not verdicts.needs_measuring({"slow", "w128"}, None)
+
+
+def test_nothing_is_measured_once_the_run_shares_buckets():
+    verdicts = FusionVerdicts()
+    verdicts.judge("w64", _gain(2.8))
+    verdicts.solo_keys({"w64"}, 1.3)
+    assert not verdicts.needs_measuring({"w256"}, 1.3)

@@ -65,10 +65,10 @@ class Seating:
         solo: set[str] = set()
         if may_train_solo(ray.cluster_resources(), options):
             slow: set[GroupKey] = set()
+            keys = {k for *_, k, _ in keyed}
             if options.solo_below is not None and not self.actor_reuse.never_reused:
-                measured = await self._measure_fusion(task_id_, [(k, c, s) for _, c, s, k, _ in keyed],
-                                                      {k: size for *_, k, size in keyed})
-                keys = {k for *_, k, _ in keyed}
+                measured = self.fusion.needs_measuring(keys, options.solo_below) and await self._measure_fusion(
+                    task_id_, [(k, c, s) for _, c, s, k, _ in keyed], {k: size for *_, k, size in keyed})
                 slow = self.fusion.solo_keys(keys, options.solo_below)
                 if measured:  # said once, where a structure was measured anew
                     _say_solo(slow, any(self.fusion.trains_solo(k, options.solo_below) for k in keys),
@@ -228,6 +228,7 @@ class Seating:
         self._start()
         self._stops.clear()
         self.actor_reuse.new_run()
+        self.fusion.new_run()
         self.solo_for_gain.clear()
         for handle in list(self.handles.values()):
             handle.reset_stops.remote()

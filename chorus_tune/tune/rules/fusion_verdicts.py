@@ -34,6 +34,23 @@ class FusionVerdicts:
 
     def __init__(self) -> None:
         self._gains: dict[Hashable, Any] = {}  # key -> FusionGain, or None (not measurable)
+        self._run_fuses = False  # a seating of the run shares buckets: see solo_keys
+
+    def new_run(self) -> None:
+        """A new Tune run starts: its seatings are judged afresh (the verdicts per structure stay)."""
+        self._run_fuses = False
+
+    def needs_measuring(self, keys: Iterable[Hashable], floor: float | None) -> bool:
+        """Whether a seating of ``keys`` could still train solo, so is worth
+        measuring: its run shares buckets already, or one of its keys is known
+        to gain enough (or could not be measured), and it shares them whatever
+        the others gain (:meth:`solo_keys`). Measured on the 4-width sweep,
+        three runs in one driver: each run's first seat measured one more
+        width group (0.5 s before Tune's first trial, under the run's start-up
+        load) while the first gained 2.8x."""
+        if self._run_fuses or floor is None:
+            return False
+        return not any(key in self._gains and not self.trains_solo(key, floor) for key in keys)
 
     def to_measure(self, seating: Iterable[tuple[Hashable, dict, int]],
                    capacity: Mapping[Hashable, int]) -> dict[Hashable, list[tuple[dict, int]]]:
@@ -82,10 +99,17 @@ class FusionVerdicts:
         the buckets hold the others. Measured on the 4-width sweep (FIFO, 32
         trials, 2 cores): its width-256 group measured 1.29x and went solo
         while the narrower widths shared buckets, and the sweep ran at 0.70x
-        plain Tune against 0.99-1.16x with every width in buckets."""
+        plain Tune against 0.99-1.16x with every width in buckets.
+
+        And for the run: once a seating of it shares buckets, later ones do
+        too, whatever their new structures measure (the same queue for the
+        same places, across seatings)."""
+        if self._run_fuses:
+            return set()
         measured = {key for key in keys if key in self._gains}
         if measured and all(self.trains_solo(key, floor) for key in measured):
             return measured
+        self._run_fuses = self._run_fuses or bool(measured)
         return set()
 
 
