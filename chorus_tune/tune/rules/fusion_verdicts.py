@@ -41,10 +41,10 @@ class FusionVerdicts:
         self._run_fuses = False
 
     def needs_measuring(self, keys: Iterable[Hashable], floor: float | None) -> bool:
-        """Whether a seating of ``keys`` could still train solo, so is worth
-        measuring: its run shares buckets already, or one of its keys is known
-        to gain enough (or could not be measured), and it shares them whatever
-        the others gain (:meth:`solo_keys`). Measured on the 4-width sweep,
+        """Whether a seating of ``keys`` is worth measuring: not where its run
+        shares buckets already, nor where one of its keys is known to gain
+        enough (or could not be measured), since it shares buckets then
+        whatever the others gain (:meth:`solo_keys`). Measured on the 4-width sweep,
         three runs in one driver: each run's first seat measured one more
         width group (0.5 s before Tune's first trial, under the run's start-up
         load) while the first gained 2.8x."""
