@@ -142,10 +142,11 @@ class Seating:
         refs = await self.data.get(task_id_, ray.get_runtime_context().get_node_id())
         if refs:
             task._loaded = await refs[0]
-        # One structure per family, the largest family first, and no further once
-        # one gains enough: the seating then shares buckets whatever the others
-        # gain (all or none).
-        order = measuring_order(samples, lambda key: (key.task_id, key.options, key.model_name),
+        # One structure per family (the same structure at other batch sizes), the
+        # largest family first, and no further once one gains enough: the seating
+        # then shares buckets whatever the others gain (all or none).
+        order = measuring_order(samples, lambda key: (key.task_id, key.options,
+                                                      key.structural_key._replace(batch_size=None)),
                                 lambda key: task.batch_size_for(samples[key][0][0]))
         for key, kin in order:
             sample = samples[key]
@@ -159,7 +160,7 @@ class Seating:
                 self.fusion.judge_with(other, key)
             if kin:
                 logger.info("pool: %d more structure(s) of %s (batch sizes %s) judged with it, not measured: a "
-                            "larger batch or width gains less (rules/fusion_verdicts.py, measuring_order)",
+                            "larger batch gains less (rules/fusion_verdicts.py, measuring_order)",
                             len(kin), key.model_name,
                             sorted({task.batch_size_for(samples[k][0][0]) for k in kin}))
         return True
