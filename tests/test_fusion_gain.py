@@ -100,14 +100,19 @@ def test_a_model_that_cannot_be_built_is_not_measured():
 
 
 class _SlowStep(nn.Module):
-    """A step that takes longer than the compute-bound limit, whatever the machine."""
+    """A step that takes longer than the compute-bound limit, whatever the
+    machine: every forward, or only the first ``slow_calls`` (a cold start
+    under load: the first iteration's 4 steps and its evaluation are 5)."""
 
-    def __init__(self):
+    def __init__(self, slow_calls: int | None = None):
         super().__init__()
         self.fc = nn.Linear(64, 10)
+        self.slow_calls, self.calls = slow_calls, 0
 
     def forward(self, x):
-        time.sleep(COMPUTE_BOUND_STEP_S * 1.2)
+        self.calls += 1
+        if self.slow_calls is None or self.calls <= self.slow_calls:
+            time.sleep(COMPUTE_BOUND_STEP_S * 1.2)
         return self.fc(x)
 
 
@@ -117,22 +122,7 @@ def test_a_model_bound_by_its_step_is_measured_on_two_members_for_one_step():
     assert gain is not None and (gain.members, gain.steps) == (2, 1)
 
 
-class _SlowFirstIteration(nn.Module):
-    """Slow on its first iteration's forwards only (4 steps and an evaluation), as a cold start under load is."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(64, 10)
-        self.calls = 0
-
-    def forward(self, x):
-        self.calls += 1
-        if self.calls <= 5:
-            time.sleep(COMPUTE_BOUND_STEP_S * 1.2)
-        return self.fc(x)
-
-
 def test_a_slow_first_iteration_alone_does_not_make_a_model_compute_bound():
     members = [({"lr": 0.05}, i) for i in range(8)]
-    gain = measure_fusion_gain(_task(lambda config: _SlowFirstIteration()), members, steps=4, repeats=1)
+    gain = measure_fusion_gain(_task(lambda config: _SlowStep(slow_calls=5)), members, steps=4, repeats=1)
     assert gain is not None and (gain.members, gain.steps) == (8, 4)
