@@ -49,7 +49,6 @@ from chorus_tune.unfused import warm_torch_optim  # noqa: E402
 warm_torch_optim()
 
 
-
 @pytest.fixture(autouse=True)
 def _buckets_whatever_fusing_gains(monkeypatch):
     """Every ChorusTrainable a test makes without ``solo_below`` keeps its members
